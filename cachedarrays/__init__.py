@@ -1,0 +1,1 @@
+"""cachedarrays package."""
