@@ -1,0 +1,104 @@
+"""A device: a heap over one preallocated, pre-faulted buffer.
+
+Devices know nothing of objects: they hand out offsets and byte views, and carry
+a performance model (read and write bandwidth) that telemetry uses to report a
+modeled movement time.  Subclasses supply the buffer (`DRAM`, `PM`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from .heap import Heap, PAGE
+from .perf import Bandwidth
+
+
+def prefault(buffer: np.ndarray, preserve: bool = False) -> None:
+    """Touch every page of ``buffer`` so that later accesses do not pay for first-touch faults.
+
+    With ``preserve`` the pages are read (keeping contents), otherwise written with zeros.
+    """
+    pages = buffer[::PAGE]
+    if preserve:
+        int(pages.sum(dtype=np.uint64))
+    else:
+        pages[:] = 0
+
+
+class Device:
+    """Base class of memory devices: allocation through a `Heap`, bytes through `view`."""
+
+    kind = "device"
+
+    def __init__(self, buffer: np.ndarray, name: str, bandwidth: Bandwidth):
+        self.buffer = buffer
+        self.name = name
+        self.bandwidth = bandwidth
+        self.heap = Heap(buffer.nbytes)
+        self.capacity = self.heap.capacity
+        self.closed = False
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(name={self.name!r}, capacity={self.capacity}, "
+                f"used={self.heap.used_bytes})")
+
+    # allocation, delegated to the heap
+    def allocate(self, nbytes: int) -> int | None:
+        self._check_open()
+        return self.heap.allocate(nbytes)
+
+    def free(self, offset: int) -> None:
+        self.heap.free(offset)
+
+    def evictfrom(self, start: int, nbytes: int, callback: Callable[[int, int], object],
+                  movable: Callable[[int], bool] | None = None) -> int | None:
+        self._check_open()
+        return self.heap.evictfrom(start, nbytes, callback, movable)
+
+    def defragment(self, move_callback: Callable[[int, int, int], None]) -> list[tuple[int, int, int]]:
+        """Compact the heap; bytes are moved here, before ``move_callback`` updates references."""
+        def move(old: int, new: int, nbytes: int) -> None:
+            self.buffer[new:new + nbytes] = self.buffer[old:old + nbytes]  # numpy handles the overlap
+            move_callback(old, new, nbytes)
+        return self.heap.defragment(move)
+
+    def check(self) -> None:
+        self.heap.check()
+
+    @property
+    def used_bytes(self) -> int:
+        return self.heap.used_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        return self.heap.free_bytes
+
+    # bytes
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        """A writable uint8 view of ``[offset, offset + nbytes)``."""
+        self._check_open()
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.capacity:
+            raise IndexError(f"range [{offset}, {offset + nbytes}) is outside {self.name} (capacity {self.capacity})")
+        return self.buffer[offset:offset + nbytes]
+
+    def address(self, offset: int = 0) -> int:
+        """Virtual address of ``offset`` (for alignment checks and zero-copy interop)."""
+        return self.buffer.ctypes.data + offset
+
+    def persist(self, offset: int, nbytes: int) -> None:
+        """Make ``[offset, offset + nbytes)`` durable; volatile devices have nothing to do."""
+
+    def close(self) -> None:
+        self.closed = True
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"device {self.name} is closed")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

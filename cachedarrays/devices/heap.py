@@ -1,0 +1,447 @@
+"""A heap allocator over offsets ``[0, capacity)``: the bookkeeping half of a device.
+
+The heap owns no memory; a device pairs it with a buffer.  Every block (free or
+occupied) is a run of bytes starting at a multiple of ``ALIGN``; blocks tile the
+whole range in address order, and no two free blocks are neighbours.  Free
+blocks are indexed by size in segregated bins (a two-level scheme in the
+style of TLSF: eight sub-bins per power of two, and a bitmap of non-empty
+bins), so finding a block that fits takes a bit scan, not a walk of the heap.
+
+Requests of at least ``PAGE`` bytes start on a page boundary; smaller ones on a
+64-byte boundary.  The occupied block of a request of ``n`` bytes is exactly
+``round_up(n, ALIGN)`` bytes long.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, NamedTuple
+
+from ..errors import InvariantError, UseAfterFreeError
+
+ALIGN = 64
+PAGE = 4096
+_SUB_BITS = 3
+_SUBS = 1 << _SUB_BITS
+
+
+def round_up(n: int, a: int) -> int:
+    """Smallest multiple of ``a`` that is ``>= n``."""
+    return -(-n // a) * a
+
+
+def alignment_for(nbytes: int) -> int:
+    """The start alignment a request of ``nbytes`` gets: a page for large ones, 64 B otherwise."""
+    return PAGE if nbytes >= PAGE else ALIGN
+
+
+def _bin(size: int) -> int:
+    """Bin index of a free block of ``size`` bytes; bins grow by 1/8 of a power of two."""
+    units = size // ALIGN
+    if units < _SUBS:
+        return units
+    e = units.bit_length() - 1
+    return (e - _SUB_BITS + 1) * _SUBS + ((units >> (e - _SUB_BITS)) & (_SUBS - 1))
+
+
+class Block(NamedTuple):
+    """One block of the heap as seen by a walk: ``requested`` is None for a free block."""
+
+    offset: int
+    size: int
+    requested: int | None
+
+    @property
+    def free(self) -> bool:
+        return self.requested is None
+
+
+class Heap:
+    """Allocator bookkeeping for one device; not thread-safe (the manager holds the lock)."""
+
+    def __init__(self, capacity: int):
+        capacity -= capacity % ALIGN
+        if capacity <= 0:
+            raise ValueError(f"heap capacity must be at least {ALIGN} bytes")
+        self.capacity = capacity
+        self._size: dict[int, int] = {}
+        self._prev: dict[int, int] = {}
+        self._requested: dict[int, int] = {}
+        self._bins: list[dict[int, None]] = [{} for _ in range(_bin(capacity) + 1)]
+        self._nonempty = 0
+        self._free_bytes = 0
+        self._walk_depth = 0
+        self._deferred: list[int] = []
+        self._add_free(0, capacity, prev=-1)
+        self._free_bytes = capacity
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def free_bytes(self) -> int:
+        return self._free_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.capacity - self._free_bytes
+
+    @property
+    def nblocks(self) -> int:
+        return len(self._size)
+
+    @property
+    def noccupied(self) -> int:
+        return len(self._requested)
+
+    def largest_free(self) -> int:
+        """Size of the largest free block (0 when the heap is full)."""
+        if not self._nonempty:
+            return 0
+        top = self._bins[self._nonempty.bit_length() - 1]
+        return max(self._size[s] for s in top)
+
+    def is_occupied(self, offset: int) -> bool:
+        return offset in self._requested
+
+    def requested(self, offset: int) -> int:
+        """Bytes asked for when the occupied block at ``offset`` was allocated."""
+        try:
+            return self._requested[offset]
+        except KeyError:
+            raise UseAfterFreeError(f"offset {offset} is not the start of an occupied block") from None
+
+    def block(self, offset: int) -> Block:
+        size = self._size[offset]
+        return Block(offset, size, self._requested.get(offset))
+
+    def next_block(self, offset: int) -> Block | None:
+        nxt = offset + self._size[offset]
+        return self.block(nxt) if nxt < self.capacity else None
+
+    def prev_block(self, offset: int) -> Block | None:
+        prv = self._prev[offset]
+        return self.block(prv) if prv >= 0 else None
+
+    def blocks(self) -> Iterator[Block]:
+        """Every block in address order."""
+        offset = 0
+        while offset < self.capacity:
+            size = self._size[offset]
+            yield Block(offset, size, self._requested.get(offset))
+            offset += size
+
+    def exhausted_message(self, nbytes: int) -> str:
+        return (
+            f"requested {nbytes} bytes but only {self._free_bytes} bytes are free "
+            f"(largest free region {self.largest_free()} bytes, capacity {self.capacity} bytes)"
+        )
+
+    # ------------------------------------------------------------------ allocate / free
+    def allocate(self, nbytes: int) -> int | None:
+        """Offset of a new occupied block holding ``nbytes``, or None when nothing fits."""
+        self._validate_request(nbytes)
+        if self._walk_depth:
+            raise RuntimeError("cannot allocate from a heap while evictfrom is walking it")
+        need = round_up(nbytes, ALIGN)
+        align = alignment_for(nbytes)
+        start = self._find(need, align)
+        if start is None:
+            return None
+        self._carve(start, need, align, nbytes)
+        return start + (-start) % align
+
+    def free(self, offset: int) -> None:
+        """Return the occupied block at ``offset`` to the heap, coalescing free neighbours."""
+        if offset not in self._requested:
+            kind = "a free block (double free?)" if offset in self._size else "not the start of any block"
+            raise UseAfterFreeError(f"cannot free offset {offset}: it is {kind}")
+        if self._walk_depth:
+            self._deferred.append(offset)
+            return
+        self._release(offset)
+
+    def _validate_request(self, nbytes: int) -> None:
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool):
+            raise TypeError(f"allocation size must be an int, got {type(nbytes).__name__}")
+        if nbytes <= 0:
+            raise ValueError(f"allocation size must be positive, got {nbytes}")
+        if nbytes > self.capacity:
+            raise ValueError(f"allocation of {nbytes} bytes is larger than the whole device ({self.capacity} bytes)")
+
+    def _fits(self, start: int, size: int, need: int, align: int) -> bool:
+        return size >= need + (-start) % align
+
+    def _find(self, need: int, align: int) -> int | None:
+        worst = need + align - ALIGN
+        first = _bin(worst) + 1
+        mask = self._nonempty >> first
+        if mask:
+            b = first + (mask & -mask).bit_length() - 1
+            return next(iter(self._bins[b]))
+        # No bin is certain to fit: look through the bins that may hold a fitting block.
+        for b in range(_bin(need), min(first, len(self._bins))):
+            if self._nonempty >> b & 1:
+                for start in self._bins[b]:
+                    if self._fits(start, self._size[start], need, align):
+                        return start
+        return None
+
+    def _carve(self, start: int, need: int, align: int, nbytes: int) -> None:
+        size = self._size[start]
+        self._remove_free(start)
+        pad = (-start) % align
+        at = start + pad
+        if pad:
+            self._add_free(start, pad, prev=self._prev[start])
+            self._set_block(at, need, prev=start)
+        else:
+            self._set_block(at, need, prev=self._prev[start])
+        self._requested[at] = nbytes
+        self._free_bytes -= need
+        rest = size - pad - need
+        if rest:
+            self._add_free(at + need, rest, prev=at)
+            self._fix_next_prev(at + need)
+        else:
+            self._fix_next_prev(at)
+
+    def _release(self, offset: int) -> None:
+        size = self._size[offset]
+        del self._requested[offset]
+        self._free_bytes += size
+        self._coalesce(offset, offset + size)
+
+    # ------------------------------------------------------------------ eviction and compaction
+    def evictfrom(
+        self,
+        start: int,
+        nbytes: int,
+        callback: Callable[[int, int], object],
+        movable: Callable[[int], bool] | None = None,
+    ) -> int | None:
+        """Make room for ``nbytes`` contiguous bytes by reclaiming the blocks around ``start``.
+
+        Walks forward in address order from the block at ``start`` and, if the end of
+        the heap or an immovable block comes first, backward from it, until the span
+        would hold an allocation of ``nbytes``.  ``movable(offset)`` (default: all)
+        rules blocks out before anything happens, so a walk that cannot succeed calls
+        no callback.  Then ``callback(offset, requested)`` runs for every occupied
+        block of the span; a truthy return (or freeing the block from inside the
+        callback) gives the block up.  On success the span becomes one free block and
+        its offset is returned.  If a callback refuses (returns falsy) or raises,
+        the blocks already given up are freed, the rest stay as they were, and None
+        is returned (or the exception propagates).
+        """
+        self._validate_request(nbytes)
+        if start not in self._size:
+            raise ValueError(f"evictfrom: offset {start} is not the start of a block")
+        if self._walk_depth:
+            raise RuntimeError("evictfrom cannot be nested on the same heap")
+        span = self._plan_span(start, round_up(nbytes, ALIGN), alignment_for(nbytes), movable)
+        if span is None:
+            return None
+        lo, hi = span
+        victims = [b.offset for b in self._blocks_in(lo, hi) if not b.free]
+        accepted: list[int] = []
+        refused = True
+        self._walk_depth += 1
+        try:
+            for off in victims:
+                if callback(off, self._requested[off]) or off in self._deferred:
+                    accepted.append(off)
+                else:
+                    break
+            else:
+                refused = False
+        finally:
+            self._walk_depth -= 1
+            deferred = set(self._deferred)
+            self._deferred = []
+            in_span = set(victims)
+            if refused:
+                for off in sorted(set(accepted) | (deferred & in_span)):
+                    self._release(off)
+                result = None
+            else:
+                for off in victims:
+                    del self._requested[off]
+                    self._free_bytes += self._size[off]
+                result = self._coalesce(lo, hi)
+            for off in sorted(deferred - in_span):
+                if off in self._requested:
+                    self._release(off)
+        return result
+
+    def _blocks_in(self, lo: int, hi: int) -> Iterator[Block]:
+        offset = lo
+        while offset < hi:
+            b = self.block(offset)
+            yield b
+            offset += b.size
+
+    def _plan_span(self, start: int, need: int, align: int, movable: Callable[[int], bool] | None) -> tuple[int, int] | None:
+        def can_take(offset: int) -> bool:
+            return offset not in self._requested or movable is None or bool(movable(offset))
+
+        lo = hi = start
+        while hi < self.capacity and not self._fits(lo, hi - lo, need, align) and can_take(hi):
+            hi += self._size[hi]
+        while not self._fits(lo, hi - lo, need, align):
+            prev = self._prev[lo]
+            if prev < 0 or not can_take(prev):
+                return None
+            lo = prev
+        return lo, hi
+
+    def defragment(self, move_callback: Callable[[int, int, int], None]) -> list[tuple[int, int, int]]:
+        """Slide occupied blocks toward offset 0, leaving one free block at the top.
+
+        ``move_callback(old, new, requested)`` runs before each move (``new < old``;
+        the ranges may overlap, so the caller must copy like ``memmove``) and must
+        move the bytes and update its own references.  Returns the moves made.  If a
+        callback raises, blocks moved so far stay moved and the rest stay put.
+        """
+        if self._walk_depth:
+            raise RuntimeError("cannot defragment a heap while evictfrom is walking it")
+        occupied = sorted(self._requested.items())
+        placed: list[tuple[int, int]] = []
+        moves: list[tuple[int, int, int]] = []
+        cursor = 0
+        try:
+            for off, req in occupied:
+                new = round_up(cursor, alignment_for(req))
+                if new < off:
+                    move_callback(off, new, req)
+                    moves.append((off, new, req))
+                    off = new
+                placed.append((off, req))
+                cursor = off + round_up(req, ALIGN)
+        finally:
+            self._rebuild(placed + occupied[len(placed):])
+        return moves
+
+    def _rebuild(self, occupied: list[tuple[int, int]]) -> None:
+        """Reset the heap to exactly the occupied blocks given, sorted by offset."""
+        self._size.clear()
+        self._prev.clear()
+        self._requested.clear()
+        for bucket in self._bins:
+            bucket.clear()
+        self._nonempty = 0
+        self._free_bytes = 0
+        prev, cursor = -1, 0
+        for off, req in occupied + [(self.capacity, 0)]:
+            if off > cursor:
+                self._add_free(cursor, off - cursor, prev)
+                self._free_bytes += off - cursor
+                prev = cursor
+            if off == self.capacity:
+                break
+            size = round_up(req, ALIGN)
+            self._set_block(off, size, prev)
+            self._requested[off] = req
+            prev, cursor = off, off + size
+
+    # ------------------------------------------------------------------ invariants
+    def check(self) -> None:
+        """Verify every invariant; raise ``InvariantError`` naming the first broken one."""
+        def fail(msg: str) -> None:
+            raise InvariantError(f"heap(capacity={self.capacity}): {msg}")
+
+        offset, prev, prev_free, seen, free_total, free_seen = 0, -1, False, 0, 0, set()
+        while offset < self.capacity:
+            if offset not in self._size:
+                fail(f"walk reached offset {offset}, which is not a block start")
+            size = self._size[offset]
+            if size <= 0 or size % ALIGN or offset % ALIGN:
+                fail(f"block at {offset} has size {size}; offsets and sizes must be positive multiples of {ALIGN}")
+            if self._prev[offset] != prev:
+                fail(f"block at {offset} records previous block {self._prev[offset]}, walk says {prev}")
+            is_free = offset not in self._requested
+            if is_free:
+                if prev_free:
+                    fail(f"free blocks at {prev} and {offset} are neighbours but not coalesced")
+                if offset not in self._bins[_bin(size)]:
+                    fail(f"free block at {offset} (size {size}) is missing from bin {_bin(size)}")
+                free_total += size
+                free_seen.add(offset)
+            else:
+                req = self._requested[offset]
+                if round_up(req, ALIGN) != size:
+                    fail(f"occupied block at {offset} has size {size} for a request of {req} bytes")
+                if offset % alignment_for(req):
+                    fail(f"occupied block at {offset} for {req} bytes is not {alignment_for(req)}-aligned")
+            prev, prev_free, seen = offset, is_free, seen + 1
+            offset += size
+        if offset != self.capacity:
+            fail(f"blocks sum to {offset} bytes, capacity is {self.capacity}")
+        if seen != len(self._size) or len(self._prev) != len(self._size):
+            fail(f"walk saw {seen} blocks but the index holds {len(self._size)} sizes and {len(self._prev)} links")
+        if free_total != self._free_bytes:
+            fail(f"free blocks sum to {free_total} bytes, counter says {self._free_bytes}")
+        binned = set()
+        for b, bucket in enumerate(self._bins):
+            if bool(bucket) != bool(self._nonempty >> b & 1):
+                fail(f"bitmap bit {b} disagrees with bin contents ({len(bucket)} blocks)")
+            binned.update(bucket)
+        if binned != free_seen:
+            fail(f"bins hold {sorted(binned - free_seen)[:5]} that are not free blocks, or miss {sorted(free_seen - binned)[:5]}")
+        if self._walk_depth or self._deferred:
+            fail("an evictfrom walk is still in progress")
+
+    # ------------------------------------------------------------------ low-level block edits
+    def _set_block(self, start: int, size: int, prev: int) -> None:
+        self._size[start] = size
+        self._prev[start] = prev
+
+    def _add_free(self, start: int, size: int, prev: int) -> None:
+        self._set_block(start, size, prev)
+        b = _bin(size)
+        self._bins[b][start] = None
+        self._nonempty |= 1 << b
+
+    def _remove_free(self, start: int) -> None:
+        b = _bin(self._size[start])
+        bucket = self._bins[b]
+        del bucket[start]
+        if not bucket:
+            self._nonempty &= ~(1 << b)
+
+    def _fix_next_prev(self, start: int) -> None:
+        nxt = start + self._size[start]
+        if nxt < self.capacity:
+            self._prev[nxt] = start
+
+    def _coalesce(self, lo: int, hi: int) -> int:
+        """Turn ``[lo, hi)`` into one free block joined with its free neighbours.
+
+        Every block start in the span must already be unoccupied (its bytes counted
+        as free); free blocks in the span are still in their bins.
+        """
+        s = lo
+        while s < hi:
+            size = self._size[s]
+            self._remove_free_if_indexed(s)
+            if s != lo:
+                del self._size[s], self._prev[s]
+            s += size
+        hi = s
+        prev = self._prev[lo]
+        if prev >= 0 and prev not in self._requested:
+            self._remove_free(prev)
+            del self._size[lo], self._prev[lo]
+            lo = prev
+        if hi < self.capacity and hi not in self._requested:
+            self._remove_free(hi)
+            nxt = hi + self._size.pop(hi)
+            del self._prev[hi]
+            hi = nxt
+        self._add_free(lo, hi - lo, self._prev[lo])
+        self._fix_next_prev(lo)
+        return lo
+
+    def _remove_free_if_indexed(self, start: int) -> None:
+        b = _bin(self._size[start])
+        bucket = self._bins[b]
+        if start in bucket:
+            del bucket[start]
+            if not bucket:
+                self._nonempty &= ~(1 << b)

@@ -1,0 +1,34 @@
+"""Exceptions raised by cachedarrays.
+
+Each error names the problem and carries the numbers that explain it, so a
+user can tell a heap that is full from one that is fragmented, or a freed
+object from one that was never ours.
+"""
+
+
+class CachedArraysError(Exception):
+    """Base class of every error this library raises on purpose."""
+
+
+class OutOfMemoryError(CachedArraysError, MemoryError):
+    """A device cannot satisfy an allocation, even after whatever eviction was allowed."""
+
+
+class UseAfterFreeError(CachedArraysError, RuntimeError):
+    """An object or region was used after it was freed."""
+
+
+class StatusError(CachedArraysError, RuntimeError):
+    """An array was accessed in a way its current status forbids."""
+
+
+class PinnedError(CachedArraysError, RuntimeError):
+    """An operation needed to move an object that is pinned by a live view."""
+
+
+class PMFormatError(CachedArraysError, ValueError):
+    """A persistent-memory file is not a cachedarrays pool, or has the wrong size or layout."""
+
+
+class InvariantError(CachedArraysError, AssertionError):
+    """`check()` found broken internal state; the message says which invariant and where."""

@@ -1,0 +1,483 @@
+"""The data manager: objects, their regions on devices, and the data management API.
+
+This is Table 4.4 of the dissertation.  The manager tracks every *object*, its
+*primary region* and its *linked regions* (at most one per device), dirty bits,
+pin counts and telemetry.  It makes no placement decisions: a policy does, using
+only the methods here.  One re-entrant lock guards all state; object finalizers
+only append ids to a free queue, which is drained under the lock at the next
+manager call, so garbage collection can never run manager code at a bad moment.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+import weakref
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .copy import copy_bytes
+from .devices import Device
+from .devices.perf import copy_seconds
+from .errors import InvariantError, OutOfMemoryError, PinnedError, UseAfterFreeError
+from .telemetry import Telemetry
+
+
+class Region:
+    """A contiguous, aligned range on one device; the unit of allocation and movement."""
+
+    __slots__ = ("device", "offset", "nbytes", "owner", "dirty", "freed", "__weakref__")
+
+    def __init__(self, device: Device, offset: int, nbytes: int):
+        self.device = device
+        self.offset = offset
+        self.nbytes = nbytes
+        self.owner: _Record | None = None
+        self.dirty = False
+        self.freed = False
+
+    def __repr__(self) -> str:
+        state = "freed" if self.freed else ("dirty" if self.dirty else "clean")
+        owner = f" of object {self.owner.id}" if self.owner is not None else ""
+        return f"<Region {self.device.name}[{self.offset}:+{self.nbytes}] {state}{owner}>"
+
+
+class _Record:
+    """The manager's strong record of an object; survives the handle until the free queue drains."""
+
+    __slots__ = ("id", "nbytes", "primary", "regions", "pins", "alive", "handle")
+
+    def __init__(self, id_: int, primary: Region):
+        self.id = id_
+        self.nbytes = primary.nbytes
+        self.primary = primary
+        self.regions: dict[str, Region] = {primary.device.name: primary}
+        self.pins = 0
+        self.alive = True
+        self.handle: weakref.ref[Object] | None = None
+
+
+class Object:
+    """What the program holds: an id and a handle on the manager's record.
+
+    When the last reference dies, its regions are queued for freeing.
+    """
+
+    __slots__ = ("id", "manager", "_record", "__weakref__")
+
+    def __init__(self, manager: "Manager", record: _Record):
+        self.id = record.id
+        self.manager = manager
+        self._record = record
+
+    @property
+    def nbytes(self) -> int:
+        return self._record.nbytes
+
+    @property
+    def alive(self) -> bool:
+        return self._record.alive
+
+    def __repr__(self) -> str:
+        if not self._record.alive:
+            return f"<Object {self.id} freed>"
+        return f"<Object {self.id} {self.nbytes} B primary on {self._record.primary.device.name}>"
+
+
+class Manager:
+    """Owns the devices, the object registry, the lock and the telemetry.
+
+    ``Manager(fast=DRAM(...), slow=PM(...), policy=None)``.  With a policy the
+    manager also exposes the policy API by forwarding to it (see `policy`).
+    """
+
+    def __init__(self, fast: Device, slow: Device, policy=None):
+        if fast.name == slow.name:
+            raise ValueError(f"fast and slow devices must have different names, both are {fast.name!r}")
+        self.fast = fast
+        self.slow = slow
+        self.devices: dict[str, Device] = {fast.name: fast, slow.name: slow}
+        self._lock = threading.RLock()
+        self._depth = 0
+        self._ids = itertools.count(1)
+        self._records: dict[int, _Record] = {}
+        self._handles: weakref.WeakValueDictionary[int, Object] = weakref.WeakValueDictionary()
+        self._regions: dict[str, dict[int, Region]] = {name: {} for name in self.devices}
+        self._free_queue: collections.deque[int] = collections.deque()
+        self.telemetry_data = Telemetry(self.devices)
+        self.policy = None
+        if policy is not None:
+            self.set_policy(policy)
+
+    def set_policy(self, policy) -> None:
+        """Attach a policy; it receives this manager and is told when objects die."""
+        with self._locked():
+            policy.attach(self)
+            self.policy = policy
+
+    # ------------------------------------------------------------------ locking and the free queue
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._lock:
+            self._depth += 1
+            try:
+                if self._depth == 1 and self._free_queue:
+                    self._drain()
+                yield
+            finally:
+                self._depth -= 1
+
+    def lock(self):
+        """The manager's re-entrant lock, for policies that must make several calls atomically."""
+        return self._locked()
+
+    def _drain(self) -> None:
+        while self._free_queue:
+            record = self._records.get(self._free_queue.popleft())
+            if record is not None and record.alive:
+                self._free_record(record)
+
+    def collect(self) -> int:
+        """Free every object whose last reference has died; returns how many were freed."""
+        with self._locked():
+            n = len(self._free_queue)
+            self._drain()
+            return n
+
+    # ------------------------------------------------------------------ objects
+    def new_object(self, region: Region) -> Object:
+        """Create an object whose primary region is the unowned live ``region``."""
+        with self._locked():
+            self._live(region)
+            if region.owner is not None:
+                raise ValueError(f"{region} already belongs to object {region.owner.id}")
+            record = _Record(next(self._ids), region)
+            region.owner = record
+            self._records[record.id] = record
+            handle = Object(self, record)
+            record.handle = weakref.ref(handle)
+            self._handles[record.id] = handle
+            fin = weakref.finalize(handle, self._free_queue.append, record.id)
+            fin.atexit = False
+            self.telemetry_data.count("objects_created")
+            return handle
+
+    def getobject(self, id_: int) -> Object | None:
+        """The live object with id ``id_``, or None."""
+        with self._locked():
+            record = self._records.get(id_)
+            return self._handles.get(id_) if record is not None and record.alive else None
+
+    def objects(self) -> list[Object]:
+        """Every live object (those whose handle is still referenced)."""
+        with self._locked():
+            return [h for i, h in list(self._handles.items()) if i in self._records]
+
+    def primary(self, obj: Object) -> Region:
+        return self._rec(obj).primary
+
+    def set_primary(self, obj: Object, region: Region) -> None:
+        """Make ``region`` the primary of ``obj``; an unowned region is adopted as a linked region first."""
+        with self._locked():
+            record = self._rec(obj)
+            self._live(region)
+            if region.owner is None:
+                self._adopt(record, region)
+            elif region.owner is not record:
+                raise ValueError(f"{region} belongs to object {region.owner.id}, not object {record.id}")
+            record.primary = region
+
+    def pin(self, obj: Object) -> None:
+        """Forbid moving ``obj`` until a matching `unpin` (pins nest)."""
+        with self._locked():
+            self._rec(obj).pins += 1
+
+    def unpin(self, obj: Object) -> None:
+        with self._locked():
+            record = self._rec(obj, allow_dead=True)
+            if record.pins <= 0:
+                raise RuntimeError(f"object {record.id} is not pinned")
+            record.pins -= 1
+
+    def pinned(self, obj: Object) -> bool:
+        return self._rec(obj).pins > 0
+
+    # ------------------------------------------------------------------ regions
+    def allocate(self, device: Device, nbytes: int) -> Region | None:
+        """A new unowned region of ``nbytes`` on ``device``, or None when it does not fit."""
+        with self._locked():
+            dev = self._device(device)
+            offset = dev.allocate(nbytes)
+            if offset is None:
+                self.telemetry_data.count("allocation_failures")
+                return None
+            region = Region(dev, offset, nbytes)
+            self._regions[dev.name][offset] = region
+            self.telemetry_data.allocated(dev, region.nbytes)
+            return region
+
+    def allocate_or_raise(self, device: Device, nbytes: int) -> Region:
+        """Like `allocate`, but a full device raises `OutOfMemoryError` with the sizes."""
+        region = self.allocate(device, nbytes)
+        if region is None:
+            dev = self._device(device)
+            raise OutOfMemoryError(f"{dev.name} heap exhausted: {dev.heap.exhausted_message(nbytes)}")
+        return region
+
+    def free(self, x: "Region | Object") -> None:
+        """Free a region (a non-primary linked region is unlinked first) or a whole object."""
+        with self._locked():
+            if isinstance(x, Object):
+                record = self._rec(x)
+                if record.pins:
+                    raise PinnedError(f"object {record.id} is pinned by {record.pins} live view(s); release them before freeing")
+                self._free_record(record)
+                return
+            self._live(x)
+            owner = x.owner
+            if owner is not None:
+                if owner.primary is x:
+                    raise ValueError(f"{x} is the primary of object {owner.id}: set another primary or free the object")
+                del owner.regions[x.device.name]
+                x.owner = None
+            self._release(x)
+
+    def link(self, a: Region, b: Region) -> None:
+        """Link two regions of one object: an unowned region joins the other's object."""
+        with self._locked():
+            self._live(a)
+            self._live(b)
+            if a.nbytes != b.nbytes:
+                raise ValueError(f"cannot link regions of different sizes: {a} and {b}")
+            if a.device is b.device:
+                raise ValueError(f"cannot link two regions on the same device {a.device.name}")
+            if a.owner is not None and b.owner is not None:
+                if a.owner is not b.owner:
+                    raise ValueError(f"cannot link regions of different objects ({a.owner.id} and {b.owner.id})")
+                return
+            if a.owner is None and b.owner is None:
+                raise ValueError("cannot link two regions that belong to no object; create an object first")
+            owned, orphan = (a, b) if a.owner is not None else (b, a)
+            self._adopt(owned.owner, orphan)
+
+    def unlink(self, a: Region, b: Region) -> None:
+        """Unlink two regions of one object; the one that is not primary (else ``b``) is detached."""
+        with self._locked():
+            self._live(a)
+            self._live(b)
+            if a.owner is None or a.owner is not b.owner:
+                raise ValueError(f"regions {a} and {b} are not linked")
+            detach = a if b.owner.primary is b else b
+            if detach.owner.primary is detach:
+                raise ValueError(f"cannot unlink {detach}: it is the primary")
+            del detach.owner.regions[detach.device.name]
+            detach.owner = None
+
+    def copyto(self, dst: Region, src: Region) -> None:
+        """Copy the bytes of ``src`` into ``dst`` (same size) and record bytes and time."""
+        with self._locked():
+            self._live(dst)
+            self._live(src)
+            if dst.nbytes != src.nbytes:
+                raise ValueError(f"cannot copy {src.nbytes} bytes from {src} into {dst} of {dst.nbytes} bytes")
+            if dst is src:
+                return
+            t0 = time.perf_counter()
+            copy_bytes(self.bytes(dst), self.bytes(src))
+            elapsed = time.perf_counter() - t0
+            modeled = copy_seconds(src.nbytes, src.device.bandwidth, dst.device.bandwidth)
+            self.telemetry_data.copied(src.device, dst.device, src.nbytes, elapsed, modeled)
+
+    def sizeof(self, region: Region) -> int:
+        return self._live(region).nbytes
+
+    def getlinked(self, region: Region, device: Device) -> Region | None:
+        """The region of ``region``'s object on ``device`` (None if there is none)."""
+        self._live(region)
+        if region.owner is None:
+            return region if region.device is device else None
+        return region.owner.regions.get(self._device(device).name)
+
+    def in_device(self, region: Region, device: Device) -> bool:
+        return self._live(region).device is device
+
+    def mark_dirty(self, region: Region) -> None:
+        self._live(region).dirty = True
+
+    def mark_clean(self, region: Region) -> None:
+        self._live(region).dirty = False
+
+    def isdirty(self, region: Region) -> bool:
+        return self._live(region).dirty
+
+    def parent(self, region: Region) -> Object | None:
+        """The object ``region`` belongs to (None for an unowned region or a dead handle)."""
+        owner = self._live(region).owner
+        if owner is None or owner.handle is None:
+            return None
+        return owner.handle()
+
+    def bytes(self, region: Region) -> np.ndarray:
+        """A writable uint8 numpy view of the region's bytes."""
+        self._live(region)
+        return region.device.view(region.offset, region.nbytes)
+
+    def evictfrom(self, device: Device, region: Region, nbytes: int, callback: Callable[[Region], object]) -> bool:
+        """Make ``nbytes`` contiguous bytes free on ``device`` starting the walk at ``region``.
+
+        ``callback(region)`` is called for each occupied region of the span and must
+        free it (typically by evicting its object) and return True, or return False to
+        refuse.  Regions of pinned objects are never handed to the callback: a walk
+        that would need one is planned around it, and fails (returns False) if it
+        cannot.  Returns True when the space is free.
+        """
+        with self._locked():
+            dev = self._device(device)
+            self._live(region)
+            if region.device is not dev:
+                raise ValueError(f"{region} is not on device {dev.name}")
+            table = self._regions[dev.name]
+
+            def movable(offset: int) -> bool:
+                owner = table[offset].owner
+                return owner is None or owner.pins == 0
+
+            def on_region(offset: int, _requested: int) -> bool:
+                victim = table[offset]
+                if not callback(victim):
+                    return False
+                if not victim.freed:
+                    raise InvariantError(f"eviction callback accepted {victim} but did not free it")
+                return True
+
+            done = dev.evictfrom(region.offset, nbytes, on_region, movable) is not None
+            self.telemetry_data.count("evictfrom_calls")
+            if not done:
+                self.telemetry_data.count("evictfrom_failures")
+            return done
+
+    def defragment(self, device: Device) -> int:
+        """Compact ``device``; refuses while any object on it is pinned.  Returns the number of moves."""
+        with self._locked():
+            dev = self._device(device)
+            table = self._regions[dev.name]
+            pinned = [r.owner.id for r in table.values() if r.owner is not None and r.owner.pins]
+            if pinned:
+                raise PinnedError(f"cannot defragment {dev.name}: objects {pinned[:5]} are pinned")
+
+            def moved(old: int, new: int, nbytes: int) -> None:
+                region = table.pop(old)
+                region.offset = new
+                table[new] = region
+                self.telemetry_data.copied(dev, dev, nbytes, 0.0, copy_seconds(nbytes, dev.bandwidth, dev.bandwidth))
+
+            return len(dev.defragment(moved))
+
+    # ------------------------------------------------------------------ reporting
+    def telemetry(self) -> dict:
+        """Counters: copies per device pair (bytes, count, measured and modeled seconds),
+        allocations, frees, occupancy and high-water marks per device, and an occupancy timeline."""
+        with self._locked():
+            return self.telemetry_data.snapshot()
+
+    def check(self) -> None:
+        """Cross-check heaps, the registry, links and dirty bits; raise `InvariantError` on the first problem."""
+        with self._locked():
+            for dev in self.devices.values():
+                dev.check()
+                table = self._regions[dev.name]
+                occupied = {b.offset: b.requested for b in dev.heap.blocks() if not b.free}
+                if occupied.keys() != table.keys():
+                    extra = sorted(occupied.keys() - table.keys())[:5]
+                    missing = sorted(table.keys() - occupied.keys())[:5]
+                    raise InvariantError(f"{dev.name}: heap blocks without regions {extra}, regions without blocks {missing}")
+                for offset, region in table.items():
+                    if region.freed or region.offset != offset or region.device is not dev:
+                        raise InvariantError(f"{dev.name}: registry entry {offset} holds {region}")
+                    if occupied[offset] != region.nbytes:
+                        raise InvariantError(f"{region} has {region.nbytes} bytes but its heap block was asked for {occupied[offset]}")
+                    if region.owner is not None and region.owner.regions.get(dev.name) is not region:
+                        raise InvariantError(f"{region} claims object {region.owner.id}, which does not list it")
+            for record in self._records.values():
+                if not record.alive:
+                    raise InvariantError(f"dead object {record.id} is still registered")
+                if record.primary.owner is not record or record.regions.get(record.primary.device.name) is not record.primary:
+                    raise InvariantError(f"object {record.id}: primary {record.primary} is not one of its regions")
+                for name, region in record.regions.items():
+                    if region.freed or region.owner is not record or region.device.name != name:
+                        raise InvariantError(f"object {record.id}: linked region {region} is inconsistent")
+                    if region.nbytes != record.nbytes:
+                        raise InvariantError(f"object {record.id}: region {region} has the wrong size")
+                if record.pins < 0:
+                    raise InvariantError(f"object {record.id} has a negative pin count")
+            if self.policy is not None:
+                self.policy.check()
+
+    def close(self) -> None:
+        """Close both devices (their memory goes once no view aliases it)."""
+        for dev in self.devices.values():
+            dev.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+    def _device(self, device: Device) -> Device:
+        dev = self.devices.get(getattr(device, "name", None))
+        if dev is not device:
+            raise ValueError(f"{device!r} is not a device of this manager")
+        return dev
+
+    def _rec(self, obj: Object, allow_dead: bool = False) -> _Record:
+        if not isinstance(obj, Object):
+            raise TypeError(f"expected an Object, got {type(obj).__name__}")
+        if obj.manager is not self:
+            raise ValueError(f"object {obj.id} belongs to a different manager")
+        if not obj._record.alive and not allow_dead:
+            raise UseAfterFreeError(f"object {obj.id} was freed")
+        return obj._record
+
+    def _live(self, region: Region) -> Region:
+        if not isinstance(region, Region):
+            raise TypeError(f"expected a Region, got {type(region).__name__}")
+        if region.freed:
+            raise UseAfterFreeError(f"{region} was freed")
+        if self.devices.get(region.device.name) is not region.device:
+            raise ValueError(f"{region} is on a device of a different manager")
+        return region
+
+    def _adopt(self, record: _Record, region: Region) -> None:
+        if region.nbytes != record.nbytes:
+            raise ValueError(f"{region} has {region.nbytes} bytes, object {record.id} has {record.nbytes}")
+        name = region.device.name
+        if name in record.regions:
+            raise ValueError(f"object {record.id} already has a region on {name}: {record.regions[name]}")
+        record.regions[name] = region
+        region.owner = record
+        region.dirty = False
+
+    def _release(self, region: Region) -> None:
+        dev = region.device
+        del self._regions[dev.name][region.offset]
+        region.freed = True
+        region.owner = None
+        dev.free(region.offset)
+        self.telemetry_data.freed(dev, region.nbytes)
+
+    def _free_record(self, record: _Record) -> None:
+        record.alive = False
+        del self._records[record.id]
+        for region in list(record.regions.values()):
+            region.owner = None
+            self._release(region)
+        record.regions.clear()
+        self.telemetry_data.count("objects_freed")
+        if self.policy is not None:
+            self.policy.forget(record.id)
