@@ -1,0 +1,133 @@
+"""DRAM and PM devices: sizes, the PM header, persistence through both libpmem and mmap paths."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from cachedarrays import DRAM, PM, PMFormatError, parse_size
+from cachedarrays.devices import libpmem
+from cachedarrays.devices.perf import PROFILES
+
+
+@pytest.mark.parametrize("text,value", [("512MiB", 512 << 20), ("2GiB", 2 << 30), ("4096", 4096),
+                                        (" 1.5 KiB", 1536), ("3GB", 3 * 10**9), (1234, 1234)])
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("bad", ["lots", "12 parsecs", "", "-4MiB", 0, -1, True, 3.5])
+def test_parse_size_refuses_nonsense(bad):
+    with pytest.raises(ValueError, match="size|capacity"):
+        parse_size(bad)
+
+
+def test_dram_is_aligned_and_writable():
+    d = DRAM("1MiB", bandwidth="ddr4")
+    assert d.capacity == 1 << 20 and d.address() % 4096 == 0
+    off = d.allocate(4096)
+    d.view(off, 4096)[:] = 7
+    assert d.view(off, 4096).sum() == 7 * 4096
+    assert d.bandwidth == PROFILES["ddr4"]
+    d.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        d.allocate(64)
+
+
+def test_pm_default_location_is_a_scratch_file_removed_at_close():
+    p = PM(capacity="1MiB")
+    path = p.path
+    assert os.path.exists(path) and p.bandwidth == PROFILES["optane"]
+    p.close()
+    assert not os.path.exists(path)
+
+
+def _roundtrip(tmp_path, use_libpmem):
+    path = tmp_path / "pool.pm"
+    p = PM(path, "2MiB", use_libpmem=use_libpmem)
+    assert p.uses_libpmem == bool(use_libpmem)
+    off = p.allocate(100_000)
+    data = np.random.default_rng(1).integers(0, 256, 100_000, dtype=np.uint8)
+    p.view(off, data.size)[:] = data
+    p.persist(off, data.size)
+    p.close()
+    q = PM(path)  # reopen: capacity read from the header
+    assert q.reopened and q.capacity == 2 << 20
+    assert np.array_equal(q.view(off, data.size), data)
+    q.close()
+    assert path.exists()  # a named pool is kept
+
+
+def test_pm_persist_close_reopen_with_mmap(tmp_path):
+    _roundtrip(tmp_path, use_libpmem=False)
+
+
+@pytest.mark.skipif(libpmem.load() is None, reason="libpmem1 is not installed (.ci/run installs it)")
+def test_pm_persist_close_reopen_with_libpmem(tmp_path):
+    _roundtrip(tmp_path, use_libpmem=True)
+
+
+@pytest.mark.skipif(libpmem.load() is None, reason="libpmem1 is not installed (.ci/run installs it)")
+def test_pm_forced_pmem_path_uses_pmem_persist(tmp_path):
+    code = (
+        "import numpy as np; from cachedarrays import PM; p = PM(r'%s', '1MiB');"
+        "assert p.uses_libpmem and p.is_pmem, (p.uses_libpmem, p.is_pmem);"
+        "o = p.allocate(4096); p.view(o, 4096)[:] = 5; p.persist(o, 4096); p.close()" % (tmp_path / "f.pm")
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PMEM_IS_PMEM_FORCE": "1"})
+    q = PM(tmp_path / "f.pm", use_libpmem=False)
+    assert (q.view(0, 4096) == 5).all()
+    q.close()
+
+
+def test_setting_disables_libpmem(tmp_path):
+    code = "from cachedarrays import PM; p = PM(None, '1MiB'); print(p.uses_libpmem); p.close()"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                         env={**os.environ, "CACHEDARRAYS_LIBPMEM": "0"}).stdout
+    assert out.strip() == "False"
+
+
+def test_pm_refuses_foreign_files_without_touching_them(tmp_path):
+    foreign = tmp_path / "notes.txt"
+    foreign.write_bytes(b"hello world, this is not a pool at all" * 10)
+    before = foreign.read_bytes()
+    with pytest.raises(PMFormatError, match="not a cachedarrays PM pool"):
+        PM(foreign, "1MiB")
+    tiny = tmp_path / "tiny.pm"
+    tiny.write_bytes(b"x")
+    with pytest.raises(PMFormatError, match="too small"):
+        PM(tiny)
+    assert foreign.read_bytes() == before and tiny.read_bytes() == b"x"
+
+
+def test_pm_refuses_wrong_capacity_and_truncated_pools(tmp_path):
+    path = tmp_path / "pool.pm"
+    PM(path, "1MiB").close()
+    with pytest.raises(PMFormatError, match="capacity"):
+        PM(path, "2MiB")
+    with open(path, "r+b") as f:
+        f.truncate(4096 + 1000)
+    with pytest.raises(PMFormatError, match="truncated"):
+        PM(path)
+
+
+def test_pm_missing_or_unwritable_directory(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        PM(tmp_path / "no" / "such" / "dir" / "pool.pm", "1MiB")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if os.geteuid() == 0:  # root ignores mode bits; simulate what the kernel says to others
+        real_access = os.access
+        monkeypatch.setattr(os, "access", lambda p, m: False if os.fspath(p) == str(ro) else real_access(p, m))
+    else:
+        ro.chmod(0o555)
+    with pytest.raises(PermissionError, match="not writable"):
+        PM(ro, "1MiB")
+    assert list(ro.iterdir()) == []
+
+
+def test_pm_capacity_not_understood(tmp_path):
+    with pytest.raises(ValueError, match="cannot understand size"):
+        PM(tmp_path, "a lot")
