@@ -1,17 +1,23 @@
 """cachedarrays: object-level heterogeneous memory management for machine learning.
 
 Devices (`DRAM`, `PM`) supply memory; the `Manager` tracks objects and their
-regions and exposes the data management API; policies decide placement.
+regions and exposes the data management API; a `Policy` decides placement and
+movement; `CachedArray` is what programs hold.
 """
 
+from .annotations import cleanup, evict, noescape, onobjects, prefetch, preserve, softevict, unsafe_free
+from .array import CachedArray, Status, readable, release, similar, writable
 from .devices import DRAM, PM, Bandwidth, Device, Heap
 from .errors import (CachedArraysError, InvariantError, OutOfMemoryError, PinnedError, PMFormatError,
                      StatusError, UseAfterFreeError)
 from .manager import Manager, Object, Region
+from .policies import LRUPolicy, Policy, TwoLevelCachePolicy
 from .units import format_size, parse_size
 
 __all__ = [
-    "Bandwidth", "CachedArraysError", "DRAM", "Device", "Heap", "InvariantError", "Manager", "Object",
-    "OutOfMemoryError", "PM", "PMFormatError", "PinnedError", "Region", "StatusError", "UseAfterFreeError",
-    "format_size", "parse_size",
+    "Bandwidth", "CachedArray", "CachedArraysError", "DRAM", "Device", "Heap", "InvariantError", "LRUPolicy",
+    "Manager", "Object", "OutOfMemoryError", "PM", "PMFormatError", "PinnedError", "Policy", "Region", "Status",
+    "StatusError", "TwoLevelCachePolicy", "UseAfterFreeError", "cleanup", "evict", "format_size", "noescape",
+    "onobjects", "parse_size", "prefetch", "preserve", "readable", "release", "similar", "softevict",
+    "unsafe_free", "writable",
 ]

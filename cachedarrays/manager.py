@@ -11,7 +11,6 @@ manager call, so garbage collection can never run manager code at a bad moment.
 from __future__ import annotations
 
 import collections
-import itertools
 import threading
 import time
 import weakref
@@ -103,11 +102,12 @@ class Manager:
         self.devices: dict[str, Device] = {fast.name: fast, slow.name: slow}
         self._lock = threading.RLock()
         self._depth = 0
-        self._ids = itertools.count(1)
+        self._next_id = 1
         self._records: dict[int, _Record] = {}
         self._handles: weakref.WeakValueDictionary[int, Object] = weakref.WeakValueDictionary()
         self._regions: dict[str, dict[int, Region]] = {name: {} for name in self.devices}
         self._free_queue: collections.deque[int] = collections.deque()
+        self._unpin_queue: collections.deque[_Record] = collections.deque()
         self.telemetry_data = Telemetry(self.devices)
         self.policy = None
         if policy is not None:
@@ -136,6 +136,8 @@ class Manager:
         return self._locked()
 
     def _drain(self) -> None:
+        while self._unpin_queue:
+            self._unpin_queue.popleft().pins -= 1
         while self._free_queue:
             record = self._records.get(self._free_queue.popleft())
             if record is not None and record.alive:
@@ -155,7 +157,8 @@ class Manager:
             self._live(region)
             if region.owner is not None:
                 raise ValueError(f"{region} already belongs to object {region.owner.id}")
-            record = _Record(next(self._ids), region)
+            record = _Record(self._next_id, region)
+            self._next_id += 1
             region.owner = record
             self._records[record.id] = record
             handle = Object(self, record)
@@ -166,16 +169,21 @@ class Manager:
             self.telemetry_data.count("objects_created")
             return handle
 
+    @property
+    def next_id(self) -> int:
+        """The id the next new object will get (ids only grow)."""
+        return self._next_id
+
     def getobject(self, id_: int) -> Object | None:
         """The live object with id ``id_``, or None."""
         with self._locked():
             record = self._records.get(id_)
             return self._handles.get(id_) if record is not None and record.alive else None
 
-    def objects(self) -> list[Object]:
-        """Every live object (those whose handle is still referenced)."""
+    def objects(self, since: int = 0) -> list[Object]:
+        """Every live object with id ``>= since`` (those whose handle is still referenced)."""
         with self._locked():
-            return [h for i, h in list(self._handles.items()) if i in self._records]
+            return [h for i, h in list(self._handles.items()) if i >= since and i in self._records]
 
     def primary(self, obj: Object) -> Region:
         return self._rec(obj).primary
@@ -202,6 +210,10 @@ class Manager:
             if record.pins <= 0:
                 raise RuntimeError(f"object {record.id} is not pinned")
             record.pins -= 1
+
+    def unpin_later(self, obj: Object) -> None:
+        """`unpin` for finalizers: queued without taking the lock, applied at the next manager call."""
+        self._unpin_queue.append(obj._record)
 
     def pinned(self, obj: Object) -> bool:
         return self._rec(obj).pins > 0
@@ -320,6 +332,26 @@ class Manager:
         if owner is None or owner.handle is None:
             return None
         return owner.handle()
+
+    def reclaim(self, region: Region) -> bool:
+        """Free ``region``'s object if its last reference already died (its id waits in the free queue).
+
+        Eviction callbacks use this for regions whose `parent` is None: dead data
+        need not be moved.  Returns False when the object is still alive.
+        """
+        with self._locked():
+            owner = self._live(region).owner
+            if owner is None:
+                self._release(region)
+                return True
+            if owner.handle is not None and owner.handle() is not None:
+                return False
+            self._free_record(owner)
+            return True
+
+    def record(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to the telemetry counter ``name`` (policies count their decisions here)."""
+        self.telemetry_data.count(name, n)
 
     def bytes(self, region: Region) -> np.ndarray:
         """A writable uint8 numpy view of the region's bytes."""
@@ -472,6 +504,8 @@ class Manager:
         self.telemetry_data.freed(dev, region.nbytes)
 
     def _free_record(self, record: _Record) -> None:
+        if self.policy is not None:
+            self.policy.forget(record.id, dict(record.regions))
         record.alive = False
         del self._records[record.id]
         for region in list(record.regions.values()):
@@ -479,5 +513,3 @@ class Manager:
             self._release(region)
         record.regions.clear()
         self.telemetry_data.count("objects_freed")
-        if self.policy is not None:
-            self.policy.forget(record.id)

@@ -1,0 +1,139 @@
+"""Annotations: apply policy hints to every CachedArray inside arbitrary program structures.
+
+`onobjects(f, tree)` finds the CachedArrays in ``tree`` — through tuples, lists,
+sets, dicts, dataclasses, functions' captured cells (closures), bound methods,
+``functools.partial`` and JAX pytrees — and calls ``f`` once per object.  The
+hints (`prefetch`, `evict`, `softevict`, `unsafe_free`), `cleanup` and
+`noescape` are built on it (Section 4.5.2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+import types
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from .array import CachedArray
+from .manager import Manager
+
+_ATOMS = (str, bytes, bytearray, int, float, complex, bool, type(None), np.ndarray, np.generic, type,
+          types.ModuleType)
+
+
+def _children(x: Any) -> Iterator[Any]:
+    if isinstance(x, (list, tuple, set, frozenset)):
+        yield from x
+    elif isinstance(x, dict):
+        yield from x.values()
+    elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+        for field in dataclasses.fields(x):
+            yield getattr(x, field.name)
+    elif isinstance(x, types.FunctionType):
+        for cell in x.__closure__ or ():
+            try:
+                yield cell.cell_contents
+            except ValueError:  # empty cell
+                pass
+    elif isinstance(x, types.MethodType):
+        yield x.__self__
+        yield x.__func__
+    elif isinstance(x, functools.partial):
+        yield x.func
+        yield from x.args
+        yield from x.keywords.values()
+    elif "jax" in sys.modules:  # only a registered pytree node can have children here
+        import jax
+        leaves = jax.tree_util.tree_leaves(x, is_leaf=lambda y: y is not x)
+        if not (len(leaves) == 1 and leaves[0] is x):
+            yield from leaves
+
+
+def cached_arrays(tree: Any) -> Iterator[CachedArray]:
+    """Every CachedArray in ``tree`` (first occurrence per object), depth first."""
+    seen_nodes: set[int] = set()
+    seen_objects: set[int] = set()
+    stack = [tree]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, CachedArray):
+            if x.object.id not in seen_objects:
+                seen_objects.add(x.object.id)
+                yield x
+            continue
+        if isinstance(x, _ATOMS) or id(x) in seen_nodes:
+            continue
+        seen_nodes.add(id(x))
+        stack.extend(reversed(list(_children(x))))
+
+
+def onobjects(f: Callable[[CachedArray], Any], tree: Any) -> None:
+    """Call ``f(array)`` once for each distinct object among the CachedArrays in ``tree``."""
+    for x in cached_arrays(tree):
+        f(x)
+
+
+def _live(xs: tuple) -> Iterator[CachedArray]:
+    for x in cached_arrays(xs):
+        if x.object.alive:
+            yield x
+
+
+def prefetch(*xs: Any, force: bool = False) -> None:
+    """Ask the policy to move every array in ``xs`` (arrays or pytrees) into the fast device."""
+    for x in _live(xs):
+        x.policy.prefetch(x.object, force=force)
+
+
+def evict(*xs: Any) -> None:
+    """Move every array in ``xs`` out of the fast device now."""
+    for x in _live(xs):
+        x.policy.evict(x.object)
+
+
+def softevict(*xs: Any) -> None:
+    """Mark every array in ``xs`` as first to go when room is needed."""
+    for x in _live(xs):
+        x.policy.softevict(x.object)
+
+
+def unsafe_free(*xs: Any) -> None:
+    """Free every array in ``xs`` now (the policy may ignore it, as without mode M)."""
+    for x in _live(xs):
+        x.policy.unsafe_free(x.object)
+
+
+class Preserved(frozenset):
+    """Object ids that `cleanup` must not free (see `preserve`)."""
+
+
+def preserve(tree: Any) -> Preserved:
+    """The set of objects in ``tree``, to pass as ``keep`` to `cleanup`."""
+    return Preserved(x.object.id for x in cached_arrays(tree))
+
+
+def cleanup(tree: Any, keep: Any = ()) -> int:
+    """`unsafe_free` every array in ``tree`` except those in ``keep`` (a tree or a `preserve` result).
+
+    Returns the number of objects handed to the policy.
+    """
+    kept = keep if isinstance(keep, Preserved) else preserve(keep)
+    doomed = [x for x in _live((tree,)) if x.object.id not in kept]
+    unsafe_free(doomed)
+    return len(doomed)
+
+
+def noescape(manager: Manager, f: Callable, *args: Any, **kwargs: Any) -> Any:
+    """Call ``f(*args, **kwargs)``, then free the arrays it allocated that are not reachable from
+    its result or its arguments (temporaries that would otherwise wait for the garbage collector)."""
+    first = manager.next_id
+    result = f(*args, **kwargs)
+    escaped = preserve((result, args, kwargs))
+    temporaries = [o for o in manager.objects(since=first) if o.id not in escaped]
+    for obj in temporaries:
+        if obj.alive and not manager.pinned(obj):
+            manager.policy.unsafe_free(obj)
+    return result

@@ -1,0 +1,268 @@
+"""`CachedArray`: an n-d array of plain-bits dtype whose bytes are an object managed by a policy.
+
+An array has a *status* (Listing 4.3): ``NotBusy`` arrays give no direct access
+to memory, so the policy may move them at will; ``ReadOnly`` and ``ReadWrite``
+wrappers (from `readable` / `writable`) pin the object while they are held, so
+no eviction can move the bytes under a reader or tear a writer's stores.
+Converting to a status tells the policy of the use (`read_use` / `write_use`).
+
+Transparent use also works: NumPy ufuncs, array functions, operators, indexing
+and ``np.asarray`` pin their inputs for the duration of the call, and array
+results come back as new CachedArrays allocated through the policy.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from typing import Any
+
+import numpy as np
+from numpy.lib.mixins import NDArrayOperatorsMixin
+
+from .errors import StatusError
+from .manager import Manager, Object
+
+
+class Status(enum.Enum):
+    NotBusy = "NotBusy"
+    ReadOnly = "ReadOnly"
+    ReadWrite = "ReadWrite"
+
+
+def _check_dtype(dtype: np.dtype) -> np.dtype:
+    dtype = np.dtype(dtype)
+    if dtype.hasobject:
+        raise TypeError(f"dtype {dtype} holds Python objects; a CachedArray holds plain bits only "
+                        "(numbers, bool, and structured dtypes of those)")
+    return dtype
+
+
+def _policy(manager: Manager):
+    if manager.policy is None:
+        from .policies import LRUPolicy
+        manager.set_policy(LRUPolicy())
+    return manager.policy
+
+
+class CachedArray(NDArrayOperatorsMixin):
+    """``CachedArray(ndarray_or_shape, manager, dtype=None)``.
+
+    Given array-like data, the data is copied (C order) into a new object, so
+    non-contiguous or Fortran-ordered sources are fine.  Given a shape (an int
+    or a tuple of ints), the contents are uninitialised, like ``np.empty``.
+    The object is placed by the manager's policy (an `LRUPolicy` is attached if
+    the manager has none).
+    """
+
+    __array_priority__ = 20
+
+    def __init__(self, data_or_shape: Any, manager: Manager, dtype: Any = None, *, _object: Object | None = None,
+                 _status: Status = Status.NotBusy):
+        if not isinstance(manager, Manager):
+            raise TypeError(f"manager must be a cachedarrays.Manager, got {type(manager).__name__}")
+        self.manager = manager
+        self.policy = _policy(manager)
+        self._status = _status
+        self._released = False
+        if _object is not None:
+            self.shape, self.dtype, self.object = tuple(data_or_shape), np.dtype(dtype), _object
+            return
+        if isinstance(data_or_shape, (int, np.integer)) or (
+                isinstance(data_or_shape, tuple) and all(isinstance(d, (int, np.integer)) for d in data_or_shape)):
+            shape = (int(data_or_shape),) if isinstance(data_or_shape, (int, np.integer)) else tuple(map(int, data_or_shape))
+            if any(d < 0 for d in shape):
+                raise ValueError(f"negative dimension in shape {shape}")
+            source = None
+            dtype = _check_dtype(np.float64 if dtype is None else dtype)
+        else:
+            if isinstance(data_or_shape, CachedArray):
+                with readable(data_or_shape) as src:
+                    source = np.array(src, dtype=dtype, order="C")
+            else:
+                source = np.asarray(data_or_shape, dtype=dtype)
+            dtype, shape = _check_dtype(source.dtype), source.shape
+        self.shape, self.dtype = shape, dtype
+        self.object = self.policy.new(max(self.nbytes, 1))
+        if source is not None and self.nbytes:
+            with writable(self) as dst:
+                dst[...] = source
+
+    # ------------------------------------------------------------------ basic properties
+    @property
+    def status(self) -> Status:
+        return self._status
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d CachedArray")
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        where = "freed"
+        if self.object.alive:
+            where = self.manager.primary(self.object).device.name
+        return f"CachedArray(shape={self.shape}, dtype={self.dtype}, status={self._status.value}, on={where})"
+
+    # ------------------------------------------------------------------ raw access (pinned statuses only)
+    @property
+    def array(self) -> np.ndarray:
+        """The numpy view of the bytes; only for ``readable``/``writable`` wrappers, valid while they are held."""
+        if self._status is Status.NotBusy:
+            raise StatusError("a NotBusy CachedArray gives no direct access to its data; "
+                              "use readable(x) or writable(x) (or a `with` block)")
+        if self._released:
+            raise StatusError(f"this {self._status.value} view was released; take a new one with readable/writable")
+        return self._view(writeable=self._status is Status.ReadWrite)
+
+    def _view(self, writeable: bool) -> np.ndarray:
+        raw = self.manager.bytes(self.manager.primary(self.object))[:self.nbytes]
+        arr = raw.view(self.dtype).reshape(self.shape)
+        if not writeable:
+            arr.flags.writeable = False
+        return arr
+
+    def release(self) -> "CachedArray":
+        """End this view's pin now (also happens on ``with`` exit or when the view is collected)."""
+        if self._status is not Status.NotBusy and not self._released:
+            self._released = True
+            self._finalizer.detach()
+            self.manager.unpin(self.object)
+        return self
+
+    def __enter__(self) -> np.ndarray:
+        return self.array
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    # ------------------------------------------------------------------ numpy interop
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        if self._status is not Status.NotBusy:
+            arr = self.array
+            if dtype is not None and np.dtype(dtype) != arr.dtype:
+                if copy is False:
+                    raise ValueError(f"cannot convert {arr.dtype} to {np.dtype(dtype)} without a copy")
+                return arr.astype(dtype)
+            return arr.copy() if copy else arr
+        if copy is False:
+            raise ValueError("a NotBusy CachedArray cannot be exposed without a copy: use readable(x) for a view")
+        with readable(self) as arr:
+            return np.array(arr, dtype=dtype, copy=True)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
+        from .interop import call_pinned
+        if out is not None:
+            kwargs["out"] = out
+        return call_pinned(getattr(ufunc, method), inputs, kwargs)
+
+    def __array_function__(self, func, types, args, kwargs):
+        from .interop import call_pinned
+        return call_pinned(func, args, kwargs)
+
+    def __getitem__(self, key):
+        if self._status is not Status.NotBusy:
+            return self.array[_unwrap_key(key)]
+        with readable(self) as arr:
+            result = arr[_unwrap_key(key)]
+            return result.copy() if isinstance(result, np.ndarray) else result
+
+    def __setitem__(self, key, value) -> None:
+        if self._status is Status.ReadOnly:
+            raise StatusError("cannot write through a ReadOnly view; use writable(x)")
+        from .interop import pinned_values
+        with pinned_values(value) as plain:
+            if self._status is Status.ReadWrite:
+                self.array[_unwrap_key(key)] = plain
+            else:
+                with writable(self) as arr:
+                    arr[_unwrap_key(key)] = plain
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self[i]
+
+    def __bool__(self) -> bool:
+        return bool(self.__array__())
+
+    def __float__(self) -> float:
+        return float(self.__array__())
+
+    def __int__(self) -> int:
+        return int(self.__array__())
+
+    def __dlpack__(self, *, stream=None, **kwargs):
+        """Zero-copy export for ``jax.dlpack.from_dlpack(readable(x))`` (64-byte aligned, C-contiguous)."""
+        if self._status is Status.NotBusy:
+            raise StatusError("export a readable(x) or writable(x) view, not a NotBusy array, through DLPack")
+        if self._released:
+            raise StatusError("this view was released")
+        # DLPack as JAX requests it has no read-only flag; consumers like JAX never write.
+        return self._view(writeable=True).__dlpack__(stream=stream, **kwargs)
+
+    def __dlpack_device__(self):
+        return self._view(writeable=False).__dlpack_device__()
+
+
+def _unwrap_key(key):
+    if isinstance(key, CachedArray):
+        return np.asarray(key)
+    if isinstance(key, tuple):
+        return tuple(np.asarray(k) if isinstance(k, CachedArray) else k for k in key)
+    return key
+
+
+def _wrap(x: CachedArray, status: Status) -> CachedArray:
+    view = CachedArray(x.shape, x.manager, x.dtype, _object=x.object, _status=status)
+    x.manager.pin(x.object)
+    view._finalizer = weakref.finalize(view, x.manager.unpin_later, x.object)
+    view._finalizer.atexit = False
+    return view
+
+
+def readable(x: CachedArray) -> CachedArray:
+    """A ReadOnly view of ``x``: tells the policy of a read use, then pins the object while held.
+
+    ``with readable(x) as a:`` gives a numpy array with ``writeable=False``.
+    """
+    _require(x)
+    x.policy.read_use(x.object)
+    return _wrap(x, Status.ReadOnly)
+
+
+def writable(x: CachedArray) -> CachedArray:
+    """A ReadWrite view of ``x``: a write use (marks the primary dirty), then pinned while held."""
+    _require(x)
+    x.policy.write_use(x.object)
+    return _wrap(x, Status.ReadWrite)
+
+
+def release(x: CachedArray) -> CachedArray:
+    """A NotBusy handle on ``x``'s object; releases ``x`` itself if it is a pinned view."""
+    _require(x)
+    if x.status is not Status.NotBusy:
+        x.release()
+    return CachedArray(x.shape, x.manager, x.dtype, _object=x.object)
+
+
+def similar(x: CachedArray, dtype: Any = None, shape: tuple[int, ...] | None = None) -> CachedArray:
+    """A new uninitialised CachedArray like ``x`` (same manager; same shape and dtype unless given)."""
+    _require(x)
+    return CachedArray(x.shape if shape is None else shape, x.manager, x.dtype if dtype is None else dtype)
+
+
+def _require(x) -> None:
+    if not isinstance(x, CachedArray):
+        raise TypeError(f"expected a CachedArray, got {type(x).__name__}")

@@ -1,0 +1,7 @@
+"""Policies: placement and movement decisions on top of the data management API."""
+
+from .base import Policy
+from .lru import LRUPolicy
+from .twolevel import TwoLevelCachePolicy
+
+__all__ = ["LRUPolicy", "Policy", "TwoLevelCachePolicy"]
