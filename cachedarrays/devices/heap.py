@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterator, NamedTuple
 
-from ..errors import InvariantError, UseAfterFreeError
+from ..errors import InvariantError, OutOfMemoryError, UseAfterFreeError
 
 ALIGN = 64
 PAGE = 4096
@@ -164,7 +164,7 @@ class Heap:
         if nbytes <= 0:
             raise ValueError(f"allocation size must be positive, got {nbytes}")
         if nbytes > self.capacity:
-            raise ValueError(f"allocation of {nbytes} bytes is larger than the whole device ({self.capacity} bytes)")
+            raise OutOfMemoryError(f"requested {nbytes} bytes, larger than the whole device (capacity {self.capacity} bytes)")
 
     def _fits(self, start: int, size: int, need: int, align: int) -> bool:
         return size >= need + (-start) % align

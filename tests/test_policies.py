@@ -1,0 +1,312 @@
+"""Policies: Table 4.5 semantics, the L/M/P switches, the 2LM model, and a stateful mirror test for each."""
+
+import gc
+import pathlib
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import cachedarrays as ca
+from cachedarrays import (DRAM, PM, CachedArray, InvariantError, LRUPolicy, Manager, OutOfMemoryError, PinnedError,
+                          Policy, TwoLevelCachePolicy, UseAfterFreeError, readable, writable)
+
+
+def readme_policy():
+    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    block = text.split("<!-- policy-example -->")[1].split("```python")[1].split("```")[0]
+    namespace: dict = {}
+    exec(block, namespace)
+    return namespace["LargeStaysSlowFIFO"]
+
+
+def make(policy, fast="1MiB", slow="16MiB"):
+    return Manager(DRAM(fast, bandwidth=(20, 20)), PM(None, slow, bandwidth="optane"), policy=policy)
+
+
+def where(m, x):
+    return m.primary(x.object).device.name
+
+
+def counters(m):
+    return m.telemetry()["counters"]
+
+
+def test_clean_eviction_is_elided_and_counted():
+    m = make(LRUPolicy())
+    x = CachedArray(np.arange(10_000, dtype=np.float32), m)
+    ca.evict(x)  # dirty (just written): written back
+    assert where(m, x) == "PM" and counters(m)["evictions_written_back"] == 1
+    ca.prefetch(x)
+    before = m.telemetry()["bytes_moved"]["DRAM->PM"]
+    ca.evict(x)  # clean since the prefetch: no copy
+    assert m.telemetry()["bytes_moved"]["DRAM->PM"] == before
+    assert counters(m)["evictions_clean_elided"] == 1 and counters(m)["bytes_elided"] == x.nbytes
+    ca.prefetch(x)
+    x[0] = 42.0  # a write use dirties the fast copy
+    ca.evict(x)
+    assert m.telemetry()["bytes_moved"]["DRAM->PM"] == before + x.nbytes
+    assert x[0] == 42.0 and x[1] == 1.0
+    m.check()
+
+
+def test_lru_evicts_least_recent_and_softevict_goes_first():
+    m = make(LRUPolicy(), fast="1MiB")
+    xs = [CachedArray(np.full(60_000, i, np.float32), m) for i in range(4)]  # 240 KB each, 4 fit
+    assert all(where(m, x) == "DRAM" for x in xs)
+    _ = xs[0][0]  # use 0: now 1 is least recent
+    y = CachedArray(np.zeros(60_000, np.float32), m)
+    assert where(m, xs[1]) == "PM" and where(m, xs[0]) == "DRAM"
+    ca.softevict(xs[3])  # most recent, but hinted
+    z = CachedArray(np.zeros(60_000, np.float32), m)
+    assert where(m, xs[3]) == "PM" and where(m, xs[0]) == "DRAM"
+    assert counters(m)["softevictions"] == 1
+    for i, x in enumerate(xs):
+        assert np.all(np.asarray(x) == i)
+    del y, z
+    m.check()
+
+
+def test_pinned_objects_are_never_evicted():
+    m = make(LRUPolicy(), fast="1MiB")
+    xs = [CachedArray(np.full(60_000, i, np.float32), m) for i in range(4)]
+    views = [readable(x) for x in xs]
+    with pytest.raises(OutOfMemoryError, match="pinned"):
+        m.policy.alloc_fast(600_000)
+    y = CachedArray(np.zeros(60_000, np.float32), m)  # placement falls back to slow
+    assert where(m, y) == "PM" and all(where(m, x) == "DRAM" for x in xs)
+    with pytest.raises(PinnedError):
+        ca.evict(xs[0])
+    for v in views:
+        v.release()
+    ca.evict(xs[0])
+    assert where(m, xs[0]) == "PM"
+    m.check()
+
+
+def test_out_of_memory_names_sizes():
+    m = make(LRUPolicy(), fast="256KiB", slow="1MiB")
+    with pytest.raises(OutOfMemoryError, match=r"requested 2000000 bytes, larger than the whole device"):
+        CachedArray((500_000,), m, np.float32)
+    keep = [CachedArray((200_000,), m, np.float32) for _ in range(1)]
+    with pytest.raises(OutOfMemoryError, match=r"requested 400000 bytes but only \d+ bytes are free \(largest free region \d+"):
+        keep += [CachedArray((100_000,), m, np.float32) for _ in range(3)]
+    m.check()
+
+
+def test_switches_of_table_4_7():
+    m = make(LRUPolicy(local_alloc=False, honor_frees=False, prefetch=False))
+    x = CachedArray(np.ones(1000, np.float32), m)
+    assert where(m, x) == "DRAM"  # created slow, then the initial write moved it in (insert on use)
+    y = CachedArray((1000,), m, np.float32)
+    assert where(m, y) == "PM"  # never used yet: still slow
+    ca.unsafe_free(y)
+    assert y.object.alive and counters(m)["frees_ignored"] == 1
+    ca.evict(x)
+    assert not ca.prefetch(x) and where(m, x) == "PM" and counters(m)["prefetches_ignored"] == 1
+    m2 = make(LRUPolicy(local_alloc=True, honor_frees=True, prefetch=True))
+    z = CachedArray((1000,), m2, np.float32)
+    assert where(m2, z) == "DRAM"
+    ca.unsafe_free(z)
+    assert not z.object.alive
+    with pytest.raises(UseAfterFreeError):
+        z[0]
+    m.check()
+    m2.check()
+
+
+def test_two_level_cache_model():
+    m = make(TwoLevelCachePolicy())
+    x = CachedArray((10_000,), m, np.float32)
+    assert where(m, x) == "PM"  # every object lives in the slow device
+    with writable(x) as a:  # insert on use
+        a[:] = 3
+    assert where(m, x) == "DRAM" and m.getlinked(m.primary(x.object), m.slow) is not None
+    ca.unsafe_free(x)  # not semantic
+    assert x.object.alive
+    written = m.telemetry()["bytes_moved"].get("DRAM->PM", 0)
+    del x, a
+    gc.collect()
+    m.check()  # drains the free queue: the dirty dead data is written back anyway
+    assert m.telemetry()["bytes_moved"]["DRAM->PM"] == written + 40_000
+    assert counters(m)["dead_writebacks"] == 1
+
+
+def test_modeled_time_uses_device_bandwidths():
+    m = Manager(DRAM("1MiB", bandwidth=(10, 10)), PM(None, "4MiB", bandwidth=(4, 2)), policy=LRUPolicy())
+    x = CachedArray(np.ones(100_000, np.uint8), m)
+    ca.evict(x)
+    ca.prefetch(x)
+    copies = m.telemetry()["copies"]
+    assert copies["DRAM->PM"]["modeled_seconds"] == pytest.approx(100_000 / 2e9)
+    assert copies["PM->DRAM"]["modeled_seconds"] == pytest.approx(100_000 / 4e9)
+    assert copies["PM->DRAM"]["measured_seconds"] > 0
+
+
+def test_check_catches_a_policy_that_breaks_the_fast_primary_invariant():
+    class Broken(LRUPolicy):
+        def prefetch(self, obj, force=False):
+            x = self.m.primary(obj)
+            y = self.m.allocate(self.fast, x.nbytes)
+            self.m.copyto(y, x)
+            self.m.link(x, y)  # forgot set_primary
+            return True
+
+    m = make(Broken(local_alloc=False))
+    x = CachedArray((100,), m, np.float32)
+    ca.prefetch(x)
+    with pytest.raises(InvariantError, match="not its primary"):
+        m.check()
+
+
+def same(a, b) -> bool:
+    """Bitwise equality (random bytes make NaNs, which == would call different)."""
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+DTYPES = [np.float32, np.int16, np.uint8, np.float64, np.bool_, np.dtype([("a", np.int32), ("b", np.float32)])]
+
+
+class PolicyMachine(RuleBasedStateMachine):
+    """Arrays of random shapes and dtypes in a fast device smaller than their total, mirrored in numpy."""
+
+    policy_factory = staticmethod(LRUPolicy)
+
+    def __init__(self):
+        super().__init__()
+        self.m = make(self.policy_factory(), fast="512KiB", slow="32MiB")
+        self.arrays: dict[int, tuple] = {}
+        self.views: list = []
+        self.rng = np.random.default_rng(0)
+        self.next_key = 0
+
+    def teardown(self):
+        self.views.clear()
+        self.m.close()
+
+    def _pick(self, data):
+        key = data.draw(st.sampled_from(sorted(self.arrays)))
+        return key, self.arrays[key]
+
+    @rule(shape=st.lists(st.integers(1, 90), min_size=1, max_size=3), dtype=st.sampled_from(DTYPES))
+    def create(self, shape, dtype):
+        dtype = np.dtype(dtype)
+        mirror = np.frombuffer(self.rng.integers(0, 256, int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8)
+                               .tobytes(), dtype=dtype).reshape(shape)
+        if dtype == np.bool_:
+            mirror = mirror.astype(bool)
+        x = CachedArray(mirror, self.m)
+        self.arrays[self.next_key] = (x, mirror.copy())
+        self.next_key += 1
+
+    @precondition(lambda self: self.arrays)
+    @rule(data=st.data())
+    def write(self, data):
+        _, (x, mirror) = self._pick(data)
+        i = data.draw(st.integers(0, x.shape[0] - 1))
+        with writable(x) as a:
+            a[i] = a[(i + 1) % x.shape[0]]
+        mirror[i] = mirror[(i + 1) % x.shape[0]]
+
+    @precondition(lambda self: self.arrays)
+    @rule(data=st.data())
+    def read(self, data):
+        _, (x, mirror) = self._pick(data)
+        with readable(x) as a:
+            assert same(a, mirror)
+
+    @precondition(lambda self: self.arrays)
+    @rule(data=st.data(), force=st.booleans())
+    def prefetch(self, data, force):
+        _, (x, _) = self._pick(data)
+        ca.prefetch(x, force=force)
+
+    @precondition(lambda self: self.arrays)
+    @rule(data=st.data())
+    def evict(self, data):
+        _, (x, _) = self._pick(data)
+        if not self.m.pinned(x.object):
+            ca.evict(x)
+
+    @precondition(lambda self: self.arrays)
+    @rule(data=st.data())
+    def softevict(self, data):
+        _, (x, _) = self._pick(data)
+        ca.softevict(x)
+
+    @precondition(lambda self: self.arrays)
+    @rule(data=st.data())
+    def hold_view(self, data):
+        _, (x, _) = self._pick(data)
+        if len(self.views) < 3:
+            v = readable(x)
+            self.views.append((v, v.array.ctypes.data))
+
+    @precondition(lambda self: self.views)
+    @rule()
+    def drop_view(self):
+        v, address = self.views.pop(0)
+        assert v.array.ctypes.data == address  # a pinned object never moved
+        v.release()
+
+    @precondition(lambda self: self.arrays)
+    @rule(data=st.data())
+    def free(self, data):
+        key, (x, _) = self._pick(data)
+        if self.m.pinned(x.object):
+            return
+        ca.unsafe_free(x)
+        if not x.object.alive:
+            del self.arrays[key]
+            with pytest.raises(UseAfterFreeError):
+                x[0]
+
+    @precondition(lambda self: self.arrays)
+    @rule(data=st.data())
+    def drop_reference(self, data):
+        key, _ = self._pick(data)
+        if any(v.object is self.arrays[key][0].object for v, _ in self.views):
+            return
+        del self.arrays[key]
+        gc.collect()
+
+    @precondition(lambda self: self.arrays)
+    @rule(data=st.data())
+    def transparent_op(self, data):
+        _, (x, mirror) = self._pick(data)
+        if mirror.dtype.fields is not None or mirror.dtype == np.bool_:
+            return
+        with np.errstate(all="ignore"):
+            y = x + x
+            expected = mirror + mirror
+        assert isinstance(y, CachedArray)
+        self.arrays[self.next_key] = (y, expected)
+        self.next_key += 1
+
+    @invariant()
+    def consistent(self):
+        self.m.check()
+        occupancy = self.m.telemetry()["occupancy"]["DRAM"]
+        assert occupancy["high_water"] <= occupancy["capacity"]
+        for x, mirror in self.arrays.values():
+            assert same(x, mirror)
+
+
+STATEFUL = settings(max_examples=25, stateful_step_count=30, deadline=None)
+
+
+def _machine(factory):
+    cls = type(f"Machine_{factory.__name__}", (PolicyMachine,), {"policy_factory": staticmethod(factory)})
+    case = cls.TestCase
+    case.settings = STATEFUL
+    return case
+
+
+TestLRU = _machine(LRUPolicy)
+TestLRUNothing = _machine(lambda: LRUPolicy(local_alloc=False, honor_frees=False, prefetch=False))
+TestLRUOnlyM = _machine(lambda: LRUPolicy(local_alloc=False, honor_frees=True, prefetch=True))
+TestTwoLevel = _machine(TwoLevelCachePolicy)
+TestReadmePolicy = _machine(lambda: readme_policy()(threshold=100_000))
