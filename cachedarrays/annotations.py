@@ -84,24 +84,28 @@ def _live(xs: tuple) -> Iterator[CachedArray]:
 
 def prefetch(*xs: Any, force: bool = False) -> None:
     """Ask the policy to move every array in ``xs`` (arrays or pytrees) into the fast device."""
-    for x in _live(xs):
+    for x in cached_arrays(xs):
         x.policy.prefetch(x.object, force=force)
 
 
 def evict(*xs: Any) -> None:
     """Move every array in ``xs`` out of the fast device now."""
-    for x in _live(xs):
+    for x in cached_arrays(xs):
         x.policy.evict(x.object)
 
 
 def softevict(*xs: Any) -> None:
     """Mark every array in ``xs`` as first to go when room is needed."""
-    for x in _live(xs):
+    for x in cached_arrays(xs):
         x.policy.softevict(x.object)
 
 
 def unsafe_free(*xs: Any) -> None:
-    """Free every array in ``xs`` now (the policy may ignore it, as without mode M)."""
+    """Free every array in ``xs`` now (the policy may ignore it, as without mode M).
+
+    Arrays already freed are skipped, so freeing is idempotent; the hints above
+    raise `UseAfterFreeError` on freed arrays instead.
+    """
     for x in _live(xs):
         x.policy.unsafe_free(x.object)
 

@@ -125,7 +125,7 @@ class Manager:
         with self._lock:
             self._depth += 1
             try:
-                if self._depth == 1 and self._free_queue:
+                if self._depth == 1 and (self._free_queue or self._unpin_queue):
                     self._drain()
                 yield
             finally:
@@ -216,7 +216,8 @@ class Manager:
         self._unpin_queue.append(obj._record)
 
     def pinned(self, obj: Object) -> bool:
-        return self._rec(obj).pins > 0
+        with self._locked():
+            return self._rec(obj).pins > 0
 
     # ------------------------------------------------------------------ regions
     def allocate(self, device: Device, nbytes: int) -> Region | None:
