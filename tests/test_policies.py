@@ -310,3 +310,17 @@ TestLRUNothing = _machine(lambda: LRUPolicy(local_alloc=False, honor_frees=False
 TestLRUOnlyM = _machine(lambda: LRUPolicy(local_alloc=False, honor_frees=True, prefetch=True))
 TestTwoLevel = _machine(TwoLevelCachePolicy)
 TestReadmePolicy = _machine(lambda: readme_policy()(threshold=100_000))
+
+
+def test_plots_are_written(tmp_path):
+    from cachedarrays.plot import plot_bytes_moved, plot_occupancy
+    m = make(LRUPolicy())
+    xs = [CachedArray(np.ones(100_000, np.float32), m) for _ in range(5)]
+    ca.evict(xs[:2])
+    tele = m.telemetry()
+    assert len(tele["timeline"]) >= 5
+    p1 = plot_occupancy(tele, str(tmp_path / "occ.png"))
+    p2 = plot_bytes_moved({"run": tele, "twice": tele}, str(tmp_path / "moved.png"))
+    for p in (p1, p2):
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
