@@ -14,8 +14,7 @@ import collections
 import threading
 import time
 import weakref
-from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 
@@ -87,6 +86,33 @@ class Object:
         return f"<Object {self.id} {self.nbytes} B primary on {self._record.primary.device.name}>"
 
 
+class _Guard:
+    """``with manager._locked():`` takes the lock and, at the outermost level, drains the queues.
+
+    A plain class rather than a generator context manager: it runs on every manager call.
+    """
+
+    __slots__ = ("m",)
+
+    def __init__(self, manager: "Manager"):
+        self.m = manager
+
+    def __enter__(self) -> None:
+        m = self.m
+        m._lock.acquire()
+        m._depth += 1
+        if m._depth == 1 and (m._free_queue or m._unpin_queue):
+            try:
+                m._drain()
+            except BaseException:
+                self.__exit__()
+                raise
+
+    def __exit__(self, *exc) -> None:
+        self.m._depth -= 1
+        self.m._lock.release()
+
+
 class Manager:
     """Owns the devices, the object registry, the lock and the telemetry.
 
@@ -102,6 +128,7 @@ class Manager:
         self.devices: dict[str, Device] = {fast.name: fast, slow.name: slow}
         self._lock = threading.RLock()
         self._depth = 0
+        self._guard = _Guard(self)
         self._next_id = 1
         self._records: dict[int, _Record] = {}
         self._handles: weakref.WeakValueDictionary[int, Object] = weakref.WeakValueDictionary()
@@ -120,16 +147,8 @@ class Manager:
             self.policy = policy
 
     # ------------------------------------------------------------------ locking and the free queue
-    @contextmanager
-    def _locked(self) -> Iterator[None]:
-        with self._lock:
-            self._depth += 1
-            try:
-                if self._depth == 1 and (self._free_queue or self._unpin_queue):
-                    self._drain()
-                yield
-            finally:
-                self._depth -= 1
+    def _locked(self) -> "_Guard":
+        return self._guard
 
     def lock(self):
         """The manager's re-entrant lock, for policies that must make several calls atomically."""

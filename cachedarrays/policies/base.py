@@ -23,9 +23,11 @@ from ..manager import Manager, Object, Region
 class Policy:
     """Base class for placement policies; see the module docstring for the hooks.
 
-    ``collect_at``: when set (a fraction like 0.8), an allocation that finds a
-    device this full first runs Python's garbage collector and drains the
-    manager's free queue, as the dissertation's GC-reliant modes do.
+    ``collect_at``: when set (a fraction like 0.8), an allocation that finds the
+    slow device this full first runs Python's garbage collector and drains the
+    manager's free queue, as the dissertation's GC-reliant modes do.  (The fast
+    device is full by design; running out of room there triggers eviction, and
+    a collection only when eviction cannot make room.)
     """
 
     def __init__(self, collect_at: float | None = None):
@@ -198,7 +200,6 @@ class Policy:
     def _fast_region(self, nbytes: int, force: bool, required: bool) -> Region | None:
         """A fast region of ``nbytes``, evicting victims in `victims` order when ``force``."""
         m = self.m
-        self._maybe_collect(self.fast)
         region = m.allocate(self.fast, nbytes)
         if region is not None or not force:
             if region is None and required:
