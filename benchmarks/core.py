@@ -299,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cachedarrays core benchmark ({'quick' if args.quick else 'full'}); PM file: {manager.slow.path} "
           f"(libpmem: {manager.slow.uses_libpmem}, is_pmem: {manager.slow.is_pmem}); "
           f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    if os.getloadavg()[0] >= 1:
+        print("warning: other processes are competing for the CPUs; timings will be noisy")
     try:
         copies = [row for size in cfg.sizes for row in bench_copies_at(manager, size, cfg.repeats)]
         print_copies(copies)
