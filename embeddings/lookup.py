@@ -11,6 +11,7 @@ from numba import get_num_threads
 
 from .batch import Bags, make_bags
 from .kernels import lookup as K
+from .kernels.rowaccess import spec_for
 from .protocol import FORWARD, EmbeddingTable, RowSource
 
 
@@ -35,9 +36,9 @@ def run_lookup(out: np.ndarray, src: RowSource, bags: Bags) -> None:
         return
     dist = prefetch_distance(src.base.shape[1] * src.base.itemsize)
     if bags.offsets is None:
-        K.gather(out, src.base, src.cache, src.slots, src.codec, bags.indices, dist, get_num_threads())
+        K.gather(spec_for(out.shape[1]), out, src.base, src.cache, src.slots, src.codec, bags.indices, dist, get_num_threads())
     else:
-        K.pooled(out, src.base, src.cache, src.slots, src.codec, bags.indices, bags.offsets,
+        K.pooled(spec_for(out.shape[1]), out, src.base, src.cache, src.slots, src.codec, bags.indices, bags.offsets,
                  bags.weights, bags.mean, dist, get_num_threads())
 
 

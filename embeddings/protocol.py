@@ -49,13 +49,14 @@ UPDATE = Update()
 class RowSource:
     """What kernels read rows from: see ``embeddings.kernels.rowaccess``.
 
-    ``codec`` is the storage codec marker of ``embeddings.kernels.codecs``; ``dtype`` is the
+    ``cache`` and ``slots`` are both None for a table without indirection; otherwise ``slots``
+    is an int32 array with one entry per row. ``codec`` is the storage codec marker of ``embeddings.kernels.codecs``; ``dtype`` is the
     logical element type (float32, float64, bfloat16 or float16).
     """
 
     base: np.ndarray
-    cache: np.ndarray
-    slots: np.ndarray
+    cache: np.ndarray | None
+    slots: np.ndarray | None
     codec: Any
     dtype: np.dtype
 

@@ -63,8 +63,6 @@ class SimpleEmbedding(EmbeddingTable):
                 raise ValueError(f"{name}: table must be row-major (C-contiguous)")
             self._dtype = view.dtype
             self._shape = view.shape
-        self._empty_cache = np.empty((0, self._shape[1]), self._storage_dtype)
-        self._no_slots = np.empty(0, np.int32)
         self.scratch: np.ndarray | None = None  # reindexing workspace, see pullback
 
     def eltype(self) -> np.dtype:
@@ -85,8 +83,7 @@ class SimpleEmbedding(EmbeddingTable):
         with _ndarray_view(self.data, writable) as view:
             if writable and not view.flags.writeable:
                 raise ValueError(f"{self.name}: table data is read-only")
-            yield RowSource(_storage(view, self._storage_dtype), self._empty_cache,
-                            self._no_slots, self._codec, self._dtype)
+            yield RowSource(_storage(view, self._storage_dtype), None, None, self._codec, self._dtype)
 
     def __repr__(self) -> str:
         return f"SimpleEmbedding({self.name!r}, nvectors={self._shape[0]}, featuresize={self._shape[1]}, {self._dtype})"
