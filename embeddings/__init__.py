@@ -1,15 +1,19 @@
 """Embedding tables with numba kernels (dissertation section 5.2).
 
 Public API: the table protocol (``eltype``, ``featuresize``, ``nvectors``, ``example``, contexts
-``Forward``/``Update``), ``SimpleEmbedding``, ``lookup``/``lookup_into``.
+``Forward``/``Update``), ``SimpleEmbedding``, ``lookup``/``lookup_into``, ``pullback`` with ``SGD``/``RowwiseAdagrad``
+(fused, no dense gradient), ``sparse_gradient``.
 """
 
 from .lookup import lookup, lookup_into
+from .optim import SGD, RowwiseAdagrad
+from .pullback import UpdatePlan, pullback, sparse_gradient
 from .protocol import (FORWARD, UPDATE, Context, EmbeddingTable, Forward, RowSource, Update, eltype,
                        example, featuresize, nvectors)
 from .simple import SimpleEmbedding
 
 __all__ = [
     "FORWARD", "UPDATE", "Context", "EmbeddingTable", "Forward", "RowSource", "Update",
-    "SimpleEmbedding", "eltype", "example", "featuresize", "lookup", "lookup_into", "nvectors",
+    "RowwiseAdagrad", "SGD", "SimpleEmbedding", "UpdatePlan", "eltype", "example", "featuresize", "lookup", "lookup_into", "nvectors", "pullback",
+    "sparse_gradient",
 ]
