@@ -79,7 +79,7 @@ def make_bags(name: str, nvectors: int, indices: object, offsets: object | None 
     flat = idx.reshape(-1)
     p = int(first_out_of_range(flat, nvectors))
     if p >= 0:
-        pos = np.unravel_index(p, shape) if len(shape) > 1 else p
+        pos = tuple(int(i) for i in np.unravel_index(p, shape)) if len(shape) > 1 else p
         raise IndexError(f"{name}: index {int(flat[p])} at position {pos} is out of range "
                          f"for a table of {nvectors} rows")
     if weights is None:

@@ -50,11 +50,20 @@ def _lfsr_walk(n, taps, state, out):
     return filled
 
 
+def _start_state(seed: int, period: int) -> int:
+    """A well-mixed non-zero start state for a seed (splitmix64), so that nearby seeds give
+    unrelated streams and the walk does not begin on the sparse states 1, 2, 4, ..."""
+    z = (int(seed) + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) % period + 1
+
+
 def lfsr_sequence(m: int, seed: int = 1, length: int | None = None) -> np.ndarray:
     """The first ``length`` (default: one full period) states of the ``m``-bit LFSR from ``seed``."""
     period = (1 << m) - 1
     length = period if length is None else length
-    state = seed % period + 1
+    state = _start_state(seed, period)
     taps = LFSR_TAPS[m]
     out = np.empty(length, np.int64)
     for i in range(length):
@@ -71,7 +80,7 @@ def _permutation(n: int, seed: int) -> np.ndarray:
     m = lfsr_width(n)
     period = (1 << m) - 1
     out = np.empty(n, np.int64)
-    got = _lfsr_walk(n, LFSR_TAPS[m], seed % period + 1, out)
+    got = _lfsr_walk(n, LFSR_TAPS[m], _start_state(seed, period), out)
     if got != n:
         raise RuntimeError(f"LFSR of width {m} is not maximal-length")
     out.setflags(write=False)
