@@ -90,6 +90,11 @@ class Ensemble:
 
         if out.shape[0] == 0 or self._F == 0:
             return
+        if out.strides[2] != out.itemsize:  # kernels need contiguous output rows
+            tmp = np.empty(out.shape, np.float32)
+            self._lookup(tmp, bags)
+            out[...] = tmp
+            return
         with ExitStack() as stack:
             srcs = [stack.enter_context(t.rows(FORWARD, b.indices)) for t, b in zip(self.tables, bags)]
             if len(srcs) > _MAX_TABLES:
@@ -132,6 +137,8 @@ class Ensemble:
             if g3.dtype.kind != "f":
                 raise TypeError(f"gradient must be floating point, got {g3.dtype}")
             g3 = g3.astype(np.float32)
+        if g3.strides[2] != g3.itemsize:
+            g3 = np.ascontiguousarray(g3)
         for i, (t, b) in enumerate(zip(self.tables, bags)):
             check_grad(g3[:, i, :], b, t)
         if shape[0] == 0 or self._F == 0:

@@ -34,6 +34,11 @@ def run_lookup(out: np.ndarray, src: RowSource, bags: Bags) -> None:
     """Dispatch one validated batch to the kernels."""
     if bags.nout == 0 or out.shape[1] == 0:
         return
+    if out.strides[1] != out.itemsize:  # kernels need contiguous output rows
+        tmp = np.empty(out.shape, np.float32)
+        run_lookup(tmp, src, bags)
+        out[...] = tmp
+        return
     dist = prefetch_distance(src.base.shape[1] * src.base.itemsize)
     if bags.offsets is None:
         K.gather(spec_for(out.shape[1]), out, src.base, src.cache, src.slots, src.codec, bags.indices, dist, get_num_threads())

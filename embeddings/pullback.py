@@ -71,6 +71,8 @@ def check_grad(grad: object, bags: Bags, table: EmbeddingTable) -> np.ndarray:
         raise ValueError(f"{table.name}: gradient shape {g.shape}, expected {(bags.nout, table.featuresize())}")
     if g.dtype != np.float32:
         g = g.astype(np.float32)
+    if g.ndim == 2 and g.strides[1] != g.itemsize:  # kernels read contiguous gradient rows
+        g = np.ascontiguousarray(g)
     if g.size:
         bad = int(first_nonfinite_row(g))
         if bad >= 0:

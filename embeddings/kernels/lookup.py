@@ -7,9 +7,11 @@ kernels reuse the chunk functions over (table, chunk) work items.
 Performance notes (2-core AVX2 box, 1M-row tables far larger than L3): the gather is bound by
 memory latency, so each chunk keeps a software prefetch ``dist`` index positions ahead of the
 row it is summing (across bag boundaries; positions are contiguous inside a chunk). Rows are
-summed four at a time into a per-chunk float32 accumulator, which quarters the accumulator
-traffic; with a specialised feature size (``spec``) the loops unroll completely. The output row
-is written once, so ``out`` may be any strided float32 view.
+summed four at a time into an accumulator that lives on the stack (so in vector registers once
+LLVM unrolls the loops) when the feature size is specialised, and in a per-thread array
+otherwise. Rows are accessed through raw-pointer views (no reference counting per row). Output
+rows must be contiguous (``out.strides[1] == 4``); the row stride is free, so ``out`` can be a
+column slice of a wider array.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 from numba import njit, prange
 
 from .codecs import load
-from .rowaccess import featuresize, prefetch_row, row_of
+from .rowaccess import accumulator, featuresize, out_row, prefetch_row, row_of
 
 
 @njit(cache=True, fastmath=True)
@@ -30,8 +32,8 @@ def gather_chunk(spec, out, base, cache, slots, codec, idx, i0, i1, dist):
         ip = i + dist
         if ip < i1:
             prefetch_row(base, cache, slots, idx[ip], nbytes)
-        row = row_of(base, cache, slots, idx[i])
-        o = out[i]
+        row = row_of(base, cache, slots, idx[i], F)
+        o = out_row(out, i, F)
         for k in range(F):
             o[k] = load(codec, row[k])
 
@@ -44,16 +46,18 @@ def _prefetch_ahead(base, cache, slots, idx, j, dist, pend, nbytes):
 
 
 @njit(cache=True, fastmath=True)
-def pooled_chunk(spec, out, base, cache, slots, codec, idx, offsets, weights, mean, b0, b1, dist, acc):
+def pooled_chunk(spec, out, base, cache, slots, codec, idx, offsets, weights, mean, b0, b1, dist, heap):
     """out[b] = (weighted) sum or mean of rows idx[offsets[b]:offsets[b+1]] for b in [b0, b1).
 
-    ``acc`` is a float32 scratch vector (at least featuresize long) owned by the calling thread.
+    ``heap`` is a float32 scratch vector (featuresize long) owned by the calling thread, used as
+    the accumulator when the feature size is not specialised.
     """
     F = featuresize(spec, base)
     nbytes = F * base.itemsize
     pend = offsets[b1]
     has_w = weights.size > 0
     one = np.float32(1.0)
+    acc = accumulator(spec, heap)
     for b in range(b0, b1):
         s = offsets[b]
         e = offsets[b + 1]
@@ -63,10 +67,10 @@ def pooled_chunk(spec, out, base, cache, slots, codec, idx, offsets, weights, me
         while j + 4 <= e:
             for q in range(4):
                 _prefetch_ahead(base, cache, slots, idx, j + q, dist, pend, nbytes)
-            r0 = row_of(base, cache, slots, idx[j])
-            r1 = row_of(base, cache, slots, idx[j + 1])
-            r2 = row_of(base, cache, slots, idx[j + 2])
-            r3 = row_of(base, cache, slots, idx[j + 3])
+            r0 = row_of(base, cache, slots, idx[j], F)
+            r1 = row_of(base, cache, slots, idx[j + 1], F)
+            r2 = row_of(base, cache, slots, idx[j + 2], F)
+            r3 = row_of(base, cache, slots, idx[j + 3], F)
             if has_w:
                 w0 = weights[j]
                 w1 = weights[j + 1]
@@ -82,7 +86,7 @@ def pooled_chunk(spec, out, base, cache, slots, codec, idx, offsets, weights, me
             j += 4
         while j < e:
             _prefetch_ahead(base, cache, slots, idx, j, dist, pend, nbytes)
-            r0 = row_of(base, cache, slots, idx[j])
+            r0 = row_of(base, cache, slots, idx[j], F)
             w0 = weights[j] if has_w else one
             for k in range(F):
                 acc[k] += w0 * load(codec, r0[k])
@@ -90,7 +94,7 @@ def pooled_chunk(spec, out, base, cache, slots, codec, idx, offsets, weights, me
         scale = one
         if mean and e > s:
             scale = one / np.float32(e - s)
-        o = out[b]
+        o = out_row(out, b, F)
         for k in range(F):
             o[k] = acc[k] * scale
 
@@ -120,6 +124,6 @@ def pooled(spec, out, base, cache, slots, codec, idx, offsets, weights, mean, di
     F = base.shape[1]
     nc = nchunks_for(B, nthreads, 4)
     for c in prange(nc):
-        acc = np.empty(F, np.float32)
+        heap = np.empty(F, np.float32)
         pooled_chunk(spec, out, base, cache, slots, codec, idx, offsets, weights, mean,
-                     c * B // nc, (c + 1) * B // nc, dist, acc)
+                     c * B // nc, (c + 1) * B // nc, dist, heap)

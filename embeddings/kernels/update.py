@@ -18,7 +18,7 @@ from numba import njit, prange
 
 from .codecs import load, store
 from .lookup import nchunks_for
-from .rowaccess import featuresize, prefetch_row, row_of
+from .rowaccess import accumulator, featuresize, out_row, prefetch_row, row_of
 
 SGD = 0
 ADAGRAD = 1
@@ -27,9 +27,10 @@ GRADIENT = 2
 
 @njit(cache=True, fastmath=True)
 def update_chunk(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, ent_coef,
-                 opt, lr, eps, state, gout, u0, u1, dist, acc):
-    """Apply the optimizer to unique rows ``uniq[u0:u1]``."""
+                 opt, lr, eps, state, gout, u0, u1, dist, heap):
+    """Apply the optimizer to unique rows ``uniq[u0:u1]`` (``heap``: scratch, as in lookups)."""
     F = featuresize(spec, base)
+    acc = accumulator(spec, heap)
     nbytes = F * base.itemsize
     has_coef = ent_coef.size > 0
     lr32 = np.float32(lr)
@@ -39,7 +40,7 @@ def update_chunk(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, e
         for k in range(F):
             acc[k] = 0.0
         for q in range(starts[u], starts[u + 1]):
-            g = grad[ent_bag[q]]
+            g = out_row(grad, ent_bag[q], F)
             if has_coef:
                 c = ent_coef[q]
                 for k in range(F):
@@ -49,11 +50,11 @@ def update_chunk(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, e
                     acc[k] += g[k]
         r = uniq[u]
         if opt == GRADIENT:
-            o = gout[u]
+            o = out_row(gout, u, F)
             for k in range(F):
                 o[k] = acc[k]
             continue
-        row = row_of(base, cache, slots, r)
+        row = row_of(base, cache, slots, r, F)
         mult = lr32
         if opt == ADAGRAD:
             g2 = np.float32(0.0)
