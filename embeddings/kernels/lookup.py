@@ -19,8 +19,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from numba import types
+from numba.extending import overload
+
 from .codecs import load
-from .rowaccess import accumulator, featuresize, out_row, prefetch_row, row_of
+from .intrinsics import stack_f32
+from .rowaccess import accumulator, featuresize, out_ptr, out_row, prefetch_row, row_of, row_ptr
+from .simd import vadd4, vcopy, vfma, vscale_store, vzero
 
 
 @njit(cache=True, fastmath=True)
@@ -99,6 +104,89 @@ def pooled_chunk(spec, out, base, cache, slots, codec, idx, offsets, weights, me
             o[k] = acc[k] * scale
 
 
+@njit(cache=True, fastmath=True)
+def gather_chunk_simd(spec, out, base, cache, slots, codec, idx, i0, i1, dist):
+    """:func:`gather_chunk` for float32 rows of a specialised feature size (vector copies)."""
+    nbytes = 8 * len(spec) * 4
+    for i in range(i0, i1):
+        ip = i + dist
+        if ip < i1:
+            prefetch_row(base, cache, slots, idx[ip], nbytes)
+        vcopy(spec, out_ptr(out, i), row_ptr(base, cache, slots, idx[i]))
+
+
+@njit(cache=True, fastmath=True)
+def pooled_chunk_simd(spec, out, base, cache, slots, codec, idx, offsets, weights, mean, b0, b1, dist, heap):
+    """:func:`pooled_chunk` for float32 rows of a specialised feature size: the accumulator is
+    a stack buffer of ``<8 x float>`` vectors that LLVM keeps in registers."""
+    nbytes = 8 * len(spec) * 4
+    pend = offsets[b1]
+    has_w = weights.size > 0
+    one = np.float32(1.0)
+    acc = stack_f32(spec)
+    for b in range(b0, b1):
+        s = offsets[b]
+        e = offsets[b + 1]
+        vzero(spec, acc)
+        j = s
+        if has_w:
+            while j < e:
+                _prefetch_ahead(base, cache, slots, idx, j, dist, pend, nbytes)
+                vfma(spec, acc, row_ptr(base, cache, slots, idx[j]), weights[j])
+                j += 1
+        else:
+            while j + 4 <= e:
+                for q in range(4):
+                    _prefetch_ahead(base, cache, slots, idx, j + q, dist, pend, nbytes)
+                vadd4(spec, acc, row_ptr(base, cache, slots, idx[j]), row_ptr(base, cache, slots, idx[j + 1]),
+                      row_ptr(base, cache, slots, idx[j + 2]), row_ptr(base, cache, slots, idx[j + 3]))
+                j += 4
+            while j < e:
+                _prefetch_ahead(base, cache, slots, idx, j, dist, pend, nbytes)
+                vfma(spec, acc, row_ptr(base, cache, slots, idx[j]), one)
+                j += 1
+        scale = one
+        if mean and e > s:
+            scale = one / np.float32(e - s)
+        vscale_store(spec, out_ptr(out, b), acc, scale)
+
+
+def gather_chunk_any(spec, out, base, cache, slots, codec, idx, i0, i1, dist):  # pragma: no cover
+    """Compile-time choice between the SIMD and the generic gather chunk."""
+    raise NotImplementedError
+
+
+def pooled_chunk_any(spec, out, base, cache, slots, codec, idx, offsets, weights, mean, b0, b1, dist,
+                     heap):  # pragma: no cover
+    """Compile-time choice between the SIMD and the generic pooled chunk."""
+    raise NotImplementedError
+
+
+def _simd(spec, base, codec):
+    return (isinstance(spec, types.BaseTuple) and len(spec) > 0 and base.dtype == types.float32
+            and isinstance(codec, types.Float))
+
+
+@overload(gather_chunk_any)
+def _gather_chunk_any(spec, out, base, cache, slots, codec, idx, i0, i1, dist):
+    f = gather_chunk_simd if _simd(spec, base, codec) else gather_chunk
+
+    def impl(spec, out, base, cache, slots, codec, idx, i0, i1, dist):
+        f(spec, out, base, cache, slots, codec, idx, i0, i1, dist)
+
+    return impl
+
+
+@overload(pooled_chunk_any)
+def _pooled_chunk_any(spec, out, base, cache, slots, codec, idx, offsets, weights, mean, b0, b1, dist, heap):
+    f = pooled_chunk_simd if _simd(spec, base, codec) else pooled_chunk
+
+    def impl(spec, out, base, cache, slots, codec, idx, offsets, weights, mean, b0, b1, dist, heap):
+        f(spec, out, base, cache, slots, codec, idx, offsets, weights, mean, b0, b1, dist, heap)
+
+    return impl
+
+
 @njit(cache=True)
 def nchunks_for(n, nthreads, per_thread):
     """Number of work chunks for ``n`` items: a few per thread for load balance."""
@@ -114,7 +202,7 @@ def gather(spec, out, base, cache, slots, codec, idx, dist, nthreads):
     n = idx.size
     nc = nchunks_for(n, nthreads, 4)
     for c in prange(nc):
-        gather_chunk(spec, out, base, cache, slots, codec, idx, c * n // nc, (c + 1) * n // nc, dist)
+        gather_chunk_any(spec, out, base, cache, slots, codec, idx, c * n // nc, (c + 1) * n // nc, dist)
 
 
 @njit(parallel=True, cache=True, fastmath=True)
@@ -125,5 +213,5 @@ def pooled(spec, out, base, cache, slots, codec, idx, offsets, weights, mean, di
     nc = nchunks_for(B, nthreads, 4)
     for c in prange(nc):
         heap = np.empty(F, np.float32)
-        pooled_chunk(spec, out, base, cache, slots, codec, idx, offsets, weights, mean,
-                     c * B // nc, (c + 1) * B // nc, dist, heap)
+        pooled_chunk_any(spec, out, base, cache, slots, codec, idx, offsets, weights, mean,
+                         c * B // nc, (c + 1) * B // nc, dist, heap)

@@ -91,6 +91,18 @@ def row_of(base, cache, slots, r, F):
 
 
 @njit(cache=True, inline="always")
+def row_ptr(base, cache, slots, r):
+    """Typed pointer to the storage row holding logical row ``r``."""
+    return address_as_pointer(row_address(base, cache, slots, r), base)
+
+
+@njit(cache=True, inline="always")
+def out_ptr(out, b):
+    """Typed pointer to row ``b`` of a 2-d array."""
+    return address_as_pointer(out.ctypes.data + b * out.strides[0], out)
+
+
+@njit(cache=True, inline="always")
 def out_row(out, b, F):
     """Row ``b`` of a 2-d array whose rows are contiguous (any row stride), without refcounting."""
     return carray(address_as_pointer(out.ctypes.data + b * out.strides[0], out), F)

@@ -14,11 +14,16 @@ only writes ``g`` to ``gout[u]`` (used to inspect gradients and in tests).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import carray, njit, prange
+
+from numba import types
+from numba.extending import overload
 
 from .codecs import load, store
-from .lookup import nchunks_for
-from .rowaccess import accumulator, featuresize, out_row, prefetch_row, row_of
+from .intrinsics import stack_f32
+from .lookup import _simd, nchunks_for
+from .rowaccess import accumulator, featuresize, out_ptr, out_row, prefetch_row, row_of, row_ptr
+from .simd import vcopy, vfma, vzero
 
 SGD = 0
 ADAGRAD = 1
@@ -67,6 +72,57 @@ def update_chunk(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, e
             row[k] = store(codec, load(codec, row[k]) - mult * acc[k])
 
 
+@njit(cache=True, fastmath=True)
+def update_chunk_simd(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, ent_coef,
+                      opt, lr, eps, state, gout, u0, u1, dist, heap):
+    """:func:`update_chunk` for float32 rows of a specialised size (register accumulator)."""
+    F = 8 * len(spec)
+    nbytes = F * 4
+    has_coef = ent_coef.size > 0
+    lr32 = np.float32(lr)
+    one = np.float32(1.0)
+    acc = stack_f32(spec)
+    accv = carray(acc, F)
+    for u in range(u0, u1):
+        if u + dist < u1:
+            prefetch_row(base, cache, slots, uniq[u + dist], nbytes)
+        vzero(spec, acc)
+        for q in range(starts[u], starts[u + 1]):
+            vfma(spec, acc, out_ptr(grad, ent_bag[q]), ent_coef[q] if has_coef else one)
+        r = uniq[u]
+        if opt == GRADIENT:
+            vcopy(spec, out_ptr(gout, u), acc)
+            continue
+        mult = lr32
+        if opt == ADAGRAD:
+            g2 = np.float32(0.0)
+            for k in range(F):
+                g2 += accv[k] * accv[k]
+            st = state[r] + g2 / np.float32(F)
+            state[r] = st
+            mult = lr32 / (np.sqrt(st) + np.float32(eps))
+        vfma(spec, row_ptr(base, cache, slots, r), acc, -mult)
+
+
+def update_chunk_any(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, ent_coef,
+                     opt, lr, eps, state, gout, u0, u1, dist, heap):  # pragma: no cover
+    """Compile-time choice between the SIMD and the generic update chunk."""
+    raise NotImplementedError
+
+
+@overload(update_chunk_any)
+def _update_chunk_any(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, ent_coef,
+                      opt, lr, eps, state, gout, u0, u1, dist, heap):
+    f = update_chunk_simd if _simd(spec, base, codec) else update_chunk
+
+    def impl(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, ent_coef,
+             opt, lr, eps, state, gout, u0, u1, dist, heap):
+        f(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, ent_coef,
+          opt, lr, eps, state, gout, u0, u1, dist, heap)
+
+    return impl
+
+
 @njit(parallel=True, cache=True, fastmath=True)
 def apply_update(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, ent_coef, U,
                  opt, lr, eps, state, gout, dist, nthreads):
@@ -74,6 +130,6 @@ def apply_update(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, e
     F = base.shape[1]
     nc = nchunks_for(U, nthreads, 4)
     for c in prange(nc):
-        acc = np.empty(F, np.float32)
-        update_chunk(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, ent_coef,
-                     opt, lr, eps, state, gout, c * U // nc, (c + 1) * U // nc, dist, acc)
+        heap = np.empty(F, np.float32)
+        update_chunk_any(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, ent_coef,
+                     opt, lr, eps, state, gout, c * U // nc, (c + 1) * U // nc, dist, heap)
