@@ -17,13 +17,14 @@ from numba import get_num_threads
 from .batch import Bags, make_bags
 from .kernels import update as U
 from .kernels.checks import first_nonfinite_row
-from .kernels.reindex import plan_arrays, reindex_into
+from .kernels.reindex import plan_arrays, reindex_into, reindex_parallel
 from .kernels.rowaccess import spec_for
 from .lookup import prefetch_distance
 from .optim import SGD, Optimizer, RowwiseAdagrad
 from .protocol import UPDATE, EmbeddingTable
 
 _scratch: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+PARALLEL_REINDEX_MIN = 1 << 14  # below this many indices one thread reindexes faster
 
 
 def scratch_for(table: EmbeddingTable) -> np.ndarray:
@@ -57,8 +58,13 @@ def make_plan(table: EmbeddingTable, bags: Bags) -> UpdatePlan:
     """Reindex a validated batch into an :class:`UpdatePlan`."""
     L = bags.indices.size
     uniq, counts, starts, ent_bag, ent_coef = plan_arrays(L, bags.weights.size > 0 or bags.mean)
-    n = reindex_into(bags.indices, bag_offsets(bags), bags.weights, bags.mean, scratch_for(table),
-                     uniq, counts, starts, ent_bag, ent_coef)
+    P = get_num_threads()
+    if P > 1 and L >= PARALLEL_REINDEX_MIN:
+        n = reindex_parallel(bags.indices, bag_offsets(bags), bags.weights, bags.mean, scratch_for(table),
+                             P, uniq, counts, starts, ent_bag, ent_coef, np.empty(L, np.int64))
+    else:
+        n = reindex_into(bags.indices, bag_offsets(bags), bags.weights, bags.mean, scratch_for(table),
+                         uniq, counts, starts, ent_bag, ent_coef)
     return UpdatePlan(uniq[:n], starts[: n + 1], ent_bag, ent_coef)
 
 

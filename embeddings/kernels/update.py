@@ -20,7 +20,7 @@ from numba import types
 from numba.extending import overload
 
 from .codecs import load, store
-from .intrinsics import stack_f32
+from .intrinsics import prefetch, stack_f32
 from .lookup import _simd, nchunks_for
 from .rowaccess import accumulator, featuresize, out_ptr, out_row, prefetch_row, row_of, row_ptr
 from .simd import vcopy, vfma, vzero
@@ -30,6 +30,19 @@ ADAGRAD = 1
 GRADIENT = 2
 
 
+@njit(cache=True, inline="always")
+def _prefetch_grad(grad, ent_bag, starts, u, gbytes):
+    """Prefetch the gradient rows of unique row ``u`` (at most two: the common cases)."""
+    q0 = starts[u]
+    q1 = min(starts[u + 1], q0 + 2)
+    for q in range(q0, q1):
+        a = grad.ctypes.data + ent_bag[q] * grad.strides[0]
+        off = 0
+        while off < gbytes:
+            prefetch(a + off)
+            off += 64
+
+
 @njit(cache=True, fastmath=True)
 def update_chunk(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, ent_coef,
                  opt, lr, eps, state, gout, u0, u1, dist, heap):
@@ -37,11 +50,13 @@ def update_chunk(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, e
     F = featuresize(spec, base)
     acc = accumulator(spec, heap)
     nbytes = F * base.itemsize
+    gbytes = F * 4
     has_coef = ent_coef.size > 0
     lr32 = np.float32(lr)
     for u in range(u0, u1):
         if u + dist < u1:
             prefetch_row(base, cache, slots, uniq[u + dist], nbytes)
+            _prefetch_grad(grad, ent_bag, starts, u + dist, gbytes)
         for k in range(F):
             acc[k] = 0.0
         for q in range(starts[u], starts[u + 1]):
@@ -78,6 +93,7 @@ def update_chunk_simd(spec, base, cache, slots, codec, grad, uniq, starts, ent_b
     """:func:`update_chunk` for float32 rows of a specialised size (register accumulator)."""
     F = 8 * len(spec)
     nbytes = F * 4
+    gbytes = nbytes
     has_coef = ent_coef.size > 0
     lr32 = np.float32(lr)
     one = np.float32(1.0)
@@ -86,6 +102,7 @@ def update_chunk_simd(spec, base, cache, slots, codec, grad, uniq, starts, ent_b
     for u in range(u0, u1):
         if u + dist < u1:
             prefetch_row(base, cache, slots, uniq[u + dist], nbytes)
+            _prefetch_grad(grad, ent_bag, starts, u + dist, gbytes)
         vzero(spec, acc)
         for q in range(starts[u], starts[u + 1]):
             vfma(spec, acc, out_ptr(grad, ent_bag[q]), ent_coef[q] if has_coef else one)
