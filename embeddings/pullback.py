@@ -16,15 +16,15 @@ from numba import get_num_threads
 
 from .batch import Bags, make_bags
 from .kernels import update as U
-from .kernels.checks import first_nonfinite_row
+from .kernels.checks import nonfinite_row
 from .kernels.reindex import plan_arrays, reindex_into, reindex_parallel
 from .kernels.rowaccess import spec_for
+from . import config
 from .lookup import prefetch_distance
 from .optim import SGD, Optimizer, RowwiseAdagrad
 from .protocol import UPDATE, EmbeddingTable
 
 _scratch: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-PARALLEL_REINDEX_MIN = 1 << 14  # below this many indices one thread reindexes faster
 
 
 def scratch_for(table: EmbeddingTable) -> np.ndarray:
@@ -59,7 +59,7 @@ def make_plan(table: EmbeddingTable, bags: Bags) -> UpdatePlan:
     L = bags.indices.size
     uniq, counts, starts, ent_bag, ent_coef = plan_arrays(L, bags.weights.size > 0 or bags.mean)
     P = get_num_threads()
-    if P > 1 and L >= PARALLEL_REINDEX_MIN:
+    if P > 1 and L >= config.PARALLEL_REINDEX_MIN:
         n = reindex_parallel(bags.indices, bag_offsets(bags), bags.weights, bags.mean, scratch_for(table),
                              P, uniq, counts, starts, ent_bag, ent_coef, np.empty(L, np.int64))
     else:
@@ -80,7 +80,7 @@ def check_grad(grad: object, bags: Bags, table: EmbeddingTable) -> np.ndarray:
     if g.ndim == 2 and g.strides[1] != g.itemsize:  # kernels read contiguous gradient rows
         g = np.ascontiguousarray(g)
     if g.size:
-        bad = int(first_nonfinite_row(g))
+        bad = nonfinite_row(g)
         if bad >= 0:
             raise FloatingPointError(f"{table.name}: non-finite gradient in output row {bad}; "
                                      "update refused, table unchanged")
@@ -95,9 +95,13 @@ def run_update(table: EmbeddingTable, g: np.ndarray, plan: UpdatePlan, opt: int,
         return
     with table.rows(UPDATE, plan.uniq, writable=(opt != U.GRADIENT)) as src:
         dist = prefetch_distance(src.base.shape[1] * src.base.itemsize)
-        U.apply_update(spec_for(table.featuresize()), src.base, src.cache, src.slots, src.codec, g,
-                       plan.uniq, plan.starts, plan.bag, plan.coef, n, opt, lr, eps, state, gout,
-                       dist, get_num_threads())
+        spec = spec_for(table.featuresize())
+        if plan.bag.size * table.featuresize() < config.SERIAL_WORK or get_num_threads() == 1:
+            U.apply_update_serial(spec, src.base, src.cache, src.slots, src.codec, g, plan.uniq,
+                                  plan.starts, plan.bag, plan.coef, n, opt, lr, eps, state, gout, dist)
+        else:
+            U.apply_update(spec, src.base, src.cache, src.slots, src.codec, g, plan.uniq, plan.starts,
+                           plan.bag, plan.coef, n, opt, lr, eps, state, gout, dist, get_num_threads())
 
 
 def pullback(table: EmbeddingTable, grad: object, indices: object, offsets: object | None = None,

@@ -215,3 +215,17 @@ def pooled(spec, out, base, cache, slots, codec, idx, offsets, weights, mean, di
         heap = np.empty(F, np.float32)
         pooled_chunk_any(spec, out, base, cache, slots, codec, idx, offsets, weights, mean,
                          c * B // nc, (c + 1) * B // nc, dist, heap)
+
+
+@njit(cache=True, fastmath=True)
+def gather_serial(spec, out, base, cache, slots, codec, idx, dist):
+    """:func:`gather` on the calling thread (small batches: no parallel-region start-up)."""
+    gather_chunk_any(spec, out, base, cache, slots, codec, idx, 0, idx.size, dist)
+
+
+@njit(cache=True, fastmath=True)
+def pooled_serial(spec, out, base, cache, slots, codec, idx, offsets, weights, mean, dist):
+    """:func:`pooled` on the calling thread (small batches: no parallel-region start-up)."""
+    heap = np.empty(base.shape[1], np.float32)
+    pooled_chunk_any(spec, out, base, cache, slots, codec, idx, offsets, weights, mean,
+                     0, offsets.size - 1, dist, heap)

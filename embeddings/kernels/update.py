@@ -150,3 +150,12 @@ def apply_update(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, e
         heap = np.empty(F, np.float32)
         update_chunk_any(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, ent_coef,
                      opt, lr, eps, state, gout, c * U // nc, (c + 1) * U // nc, dist, heap)
+
+
+@njit(cache=True, fastmath=True)
+def apply_update_serial(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, ent_coef, U,
+                        opt, lr, eps, state, gout, dist):
+    """:func:`apply_update` on the calling thread (small updates)."""
+    heap = np.empty(base.shape[1], np.float32)
+    update_chunk_any(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, ent_coef,
+                     opt, lr, eps, state, gout, 0, U, dist, heap)
