@@ -72,6 +72,13 @@ def read_bandwidth(nbytes: int, repeats: int, nthreads: int) -> float:
     return a.nbytes / float(np.median(ts)) / 1e9
 
 
+def _loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
+
+
 def interleaved(fns: dict, repeats: int, skip: dict | None = None) -> dict:
     """Median seconds of each function, timed round-robin. ``fns[name] = (setup, run)``."""
     skip = skip or {}
@@ -166,9 +173,10 @@ def main(argv: list[str] | None = None) -> int:
 
     numba.set_num_threads(a.threads)
     torch.set_num_threads(a.threads)
+    load0 = _loadavg()
     bw = read_bandwidth(256 << 20 if a.quick else 1 << 30, 5, a.threads)
     print(f"threads={a.threads} rows={a.rows} batch={a.batch}  read bandwidth {bw:.1f} GB/s "
-          f"(numba {numba.__version__}, torch {torch.__version__})")
+          f"(numba {numba.__version__}, torch {torch.__version__}); load average before: {load0}")
     hdr = (f"{'op':7} {'dist':8} {'F':>4} {'k':>3} {'ours ms':>9} {'torch ms':>9} {'numpy ms':>9} "
            f"{'ns/row':>7} {'GB/s':>6} {'%bw':>5} {'ours/torch':>10}")
     print(hdr)
@@ -208,13 +216,16 @@ def main(argv: list[str] | None = None) -> int:
         "pooled_f256_at_70pct_bw": all(r["frac_bw"] >= 0.7 for r in look
                                        if r["featuresize"] == 256 and r["lookups"] > 1 and r["dist"] == "uniform"),
     }
+    load1 = _loadavg()
+    print(f"load average after: {load1} (on {os.cpu_count()} CPUs; other processes make 2-thread "
+          "parallel regions wait for a core, which inflates every time above)")
     print("targets: " + ", ".join(f"{n}={'met' if v else 'MISSED'}" for n, v in targets.items()))
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(
         machine=dict(platform=platform.platform(), cpus=os.cpu_count(), threads=a.threads,
                      numba=numba.__version__, torch=torch.__version__, numpy=np.__version__),
-        read_bandwidth_gb_s=bw, args=vars(a), results=rows, targets=targets), indent=1))
+        read_bandwidth_gb_s=bw, loadavg_before=load0, loadavg_after=load1, args=vars(a), results=rows, targets=targets), indent=1))
     print(f"wrote {out}")
     return 0
 
