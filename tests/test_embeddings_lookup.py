@@ -164,3 +164,21 @@ def test_array_like_objects_go_through_the_hook():
     assert np.array_equal(E.lookup(t, [4, 0]), a[[4, 0]])
     E.pullback(t, np.ones((1, 4), np.float32), [3], optimizer=E.SGD(1.0))
     assert np.array_equal(a[3], np.arange(12, 16) - 1)
+
+
+def test_array_like_that_only_copies_is_readable_but_refuses_updates():
+    class CopyOnly:  # like a CachedArray outside a status view: __array__ must copy
+        def __init__(self, a):
+            self.a = a
+
+        def __array__(self, dtype=None, copy=None):
+            if copy is False:
+                raise ValueError("no view without a copy")
+            return self.a.copy()
+
+    a = np.arange(8, dtype=np.float32).reshape(4, 2)
+    t = E.SimpleEmbedding(CopyOnly(a))
+    assert np.array_equal(E.lookup(t, [2, 2]), a[[2, 2]])
+    with pytest.raises(TypeError, match="in place"):
+        E.pullback(t, np.ones((1, 2), np.float32), [1], optimizer=E.SGD(1.0))
+    assert np.array_equal(a, np.arange(8, dtype=np.float32).reshape(4, 2))
