@@ -23,7 +23,6 @@ when ``spec == ()``. Constant sizes let LLVM fully unroll the inner loops.
 
 from __future__ import annotations
 
-import numpy as np
 from numba import carray, njit, types
 from numba.extending import overload
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, njit, prange
 
-from numba import types
 from numba.extending import overload
 
 from .codecs import load, store
