@@ -13,14 +13,14 @@ from contextlib import ExitStack
 import numpy as np
 from numba import get_num_threads
 
+from . import config
 from .batch import Bags, make_bags
 from .kernels import ensemble as K
 from .kernels.reindex import plan_arrays, reindex_many
 from .kernels.rowaccess import spec_for
-from .lookup import prefetch_distance
+from .lookup import prefetch_distance, run_lookup
 from .optim import SGD, Optimizer, RowwiseAdagrad
 from .protocol import FORWARD, UPDATE, EmbeddingTable, RowSource
-from . import config
 from .pullback import bag_offsets, check_grad, make_plan, run_update, scratch_for
 
 _MAX_TABLES = 64  # numba unpacks tuples into parallel regions only up to ~100 entries
@@ -87,8 +87,6 @@ class Ensemble:
         return out
 
     def _lookup(self, out: np.ndarray, bags: list[Bags]) -> None:
-        from .lookup import run_lookup
-
         if out.shape[0] == 0 or self._F == 0:
             return
         if out.strides[2] != out.itemsize:  # kernels need contiguous output rows
