@@ -5,6 +5,7 @@ Public API: the table protocol (``eltype``, ``featuresize``, ``nvectors``, ``exa
 (fused, no dense gradient), ``sparse_gradient``, ``Ensemble``; index streams in ``embeddings.distributions``.
 """
 
+from .cached import CachedEmbeddings
 from .ensemble import Ensemble
 from .lookup import lookup, lookup_into
 from .optim import SGD, RowwiseAdagrad
@@ -15,7 +16,7 @@ from .simple import SimpleEmbedding
 from . import distributions
 
 __all__ = [
-    "FORWARD", "UPDATE", "Context", "Ensemble", "EmbeddingTable", "Forward", "RowSource", "Update",
+    "CachedEmbeddings", "FORWARD", "UPDATE", "Context", "Ensemble", "EmbeddingTable", "Forward", "RowSource", "Update",
     "RowwiseAdagrad", "SGD", "SimpleEmbedding", "UpdatePlan", "eltype", "example", "featuresize", "lookup", "lookup_into", "nvectors", "pullback",
     "sparse_gradient",
 ]
