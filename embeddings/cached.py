@@ -155,7 +155,10 @@ class CachedEmbeddings(EmbeddingTable):
     def access_and_cache(self, indices: np.ndarray) -> None:
         """Cache the rows of ``indices`` that are not cached, while room lasts (flushing first if full)."""
         if self.isfull():
-            self.flush_dirty() if self._dirty else self.flush_clean()
+            if self._dirty:
+                self.flush_dirty()
+            else:
+                self.flush_clean()
         idx = np.ascontiguousarray(indices).ravel()
         if idx.size == 0:
             return
@@ -283,10 +286,13 @@ class CachedEmbeddings(EmbeddingTable):
                                  f"(or a free slot keeps a back-edge)")
 
     def close(self) -> None:
-        """Write back the cache, then release and free the fast-device arrays."""
+        """Write back the cache (if it holds updates), then release and free the fast-device arrays."""
         if not self._pins:
             return
-        self.flush_dirty(0)
+        if self._dirty:
+            self.flush_dirty(0)
+        else:
+            self.flush_clean(0)
         views, self._pins = self._pins, []
         for v in views:
             v.release()
