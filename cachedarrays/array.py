@@ -46,19 +46,20 @@ def _policy(manager: Manager):
 
 
 class CachedArray(NDArrayOperatorsMixin):
-    """``CachedArray(ndarray_or_shape, manager, dtype=None)``.
+    """``CachedArray(ndarray_or_shape, manager, dtype=None, place=None)``.
 
     Given array-like data, the data is copied (C order) into a new object, so
     non-contiguous or Fortran-ordered sources are fine.  Given a shape (an int
     or a tuple of ints), the contents are uninitialised, like ``np.empty``.
     The object is placed by the manager's policy (an `LRUPolicy` is attached if
-    the manager has none).
+    the manager has none); ``place="fast"`` or ``"slow"`` asks the policy for
+    that device explicitly (`Policy.alloc_fast` / `Policy.alloc_slow`).
     """
 
     __array_priority__ = 20
 
-    def __init__(self, data_or_shape: Any, manager: Manager, dtype: Any = None, *, _object: Object | None = None,
-                 _status: Status = Status.NotBusy):
+    def __init__(self, data_or_shape: Any, manager: Manager, dtype: Any = None, *, place: str | None = None,
+                 _object: Object | None = None, _status: Status = Status.NotBusy):
         if not isinstance(manager, Manager):
             raise TypeError(f"manager must be a cachedarrays.Manager, got {type(manager).__name__}")
         self.manager = manager
@@ -83,7 +84,10 @@ class CachedArray(NDArrayOperatorsMixin):
                 source = np.asarray(data_or_shape, dtype=dtype)
             dtype, shape = _check_dtype(source.dtype), source.shape
         self.shape, self.dtype = shape, dtype
-        self.object = self.policy.new(max(self.nbytes, 1))
+        allocate = {None: self.policy.new, "fast": self.policy.alloc_fast, "slow": self.policy.alloc_slow}.get(place)
+        if allocate is None:
+            raise ValueError(f"place must be None, 'fast' or 'slow', got {place!r}")
+        self.object = allocate(max(self.nbytes, 1))
         if source is not None and self.nbytes:
             with writable(self) as dst:
                 dst[...] = source

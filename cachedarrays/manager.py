@@ -369,6 +369,16 @@ class Manager:
             self._free_record(owner)
             return True
 
+    def account(self, src: Device, dst: Device, nbytes: int, seconds: float) -> None:
+        """Count a copy made outside `copyto` (e.g. row-granular caching inside a kernel).
+
+        Such copies move data within objects the caller has pinned; reporting them keeps
+        ``telemetry()`` complete, with a modeled time from the device model as for `copyto`.
+        """
+        with self._locked():
+            src, dst = self._device(src), self._device(dst)
+            self.telemetry_data.copied(src, dst, nbytes, seconds, copy_seconds(nbytes, src.bandwidth, dst.bandwidth))
+
     def record(self, name: str, n: int = 1) -> None:
         """Add ``n`` to the telemetry counter ``name`` (policies count their decisions here)."""
         self.telemetry_data.count(name, n)

@@ -26,11 +26,12 @@ gradient).
 Plugging in
 -----------
 * CachedArray: ``SimpleEmbedding`` reaches its data only through ``simple._ndarray_view`` (a
-  context manager held for the duration of each kernel call); the integration swaps its body for
-  ``cachedarrays.readable`` / ``writable`` so the object is pinned while a kernel runs.
-* Cached tables (``CachedEmbeddings``): subclass ``EmbeddingTable`` and return a ``RowSource``
-  whose ``slots`` array maps each row to a slot of ``cache`` (or -1 for ``base``); do
-  ``access_and_cache`` on the given indices in ``rows(Forward, indices)``. Every kernel (lookup,
+  context manager held for the duration of each kernel call), which pins a CachedArray with
+  ``cachedarrays.readable`` / ``writable`` while a kernel runs.
+* Cached tables (``embeddings.cached.CachedEmbeddings``, section 5.4): ``rows()`` returns a
+  ``RowSource`` whose ``slots`` is the int64 pointer table (low bit set: the row lives in
+  ``cache[slots[r] >> 2]``), after running ``access_and_cache`` on the given indices in
+  ``rows(Forward, indices)``. Every kernel (lookup,
   update, ensemble) then reads and writes rows through that indirection; see
   :mod:`embeddings.kernels.rowaccess`.
 * Kernels never see Python objects: tables reach them as (base, cache, slots, codec) and a
@@ -41,6 +42,7 @@ Plugging in
 """
 
 from . import distributions
+from .cached import CachedEmbeddings
 from .ensemble import Ensemble
 from .lookup import lookup, lookup_into
 from .optim import SGD, RowwiseAdagrad
@@ -50,7 +52,7 @@ from .pullback import UpdatePlan, pullback, sparse_gradient
 from .simple import SimpleEmbedding
 
 __all__ = [
-    "FORWARD", "UPDATE", "Context", "EmbeddingTable", "Ensemble", "Forward", "RowSource",
+    "CachedEmbeddings", "FORWARD", "UPDATE", "Context", "EmbeddingTable", "Ensemble", "Forward", "RowSource",
     "RowwiseAdagrad", "SGD", "SimpleEmbedding", "Update", "UpdatePlan", "distributions", "eltype",
     "example", "featuresize", "lookup", "lookup_into", "nvectors", "pullback", "sparse_gradient",
 ]

@@ -123,9 +123,13 @@ def zipf_ranks(nvectors: int, size: int | tuple[int, ...], alpha: float = 1.0, *
 
 
 def zipf(nvectors: int, size: int | tuple[int, ...], alpha: float = 1.0, *, seed: int = 0,
-         table: int = 0, scramble: bool = True) -> np.ndarray:
-    """Zipf(alpha)-distributed int64 row indices, hot rows scattered by a per-table LFSR."""
+         table: int = 0, scramble: bool = True, scramble_seed: int = 0) -> np.ndarray:
+    """Zipf(alpha)-distributed int64 row indices, hot rows scattered by a per-table LFSR.
+
+    ``seed`` selects the sample stream only; which rows are hot depends on ``table`` and
+    ``scramble_seed``, so successive batches (different ``seed``) share one hot set.
+    """
     ranks = zipf_ranks(nvectors, size, alpha, seed=seed, table=table)
     if not scramble:
         return ranks
-    return lfsr_permutation(nvectors, seed * 1_000_003 + table)[ranks]
+    return lfsr_permutation(nvectors, scramble_seed * 1_000_003 + table)[ranks]

@@ -171,12 +171,12 @@ class Ensemble:
 
 
 def _tuples(srcs: list[RowSource]):
-    """Homogeneous tuples for the kernels; tables without indirection get an all -1 map if needed."""
+    """Homogeneous tuples for the kernels; tables without indirection get an all-uncached pointer table."""
     bases = tuple(s.base for s in srcs)
     if all(s.slots is None for s in srcs):
         return bases, None, None
     caches = tuple(s.cache if s.slots is not None else s.base[:1] for s in srcs)
-    slotss = tuple(s.slots if s.slots is not None else np.full(s.base.shape[0], -1, np.int32) for s in srcs)
+    slotss = tuple(s.slots if s.slots is not None else np.zeros(s.base.shape[0], np.int64) for s in srcs)
     return bases, caches, slotss
 
 

@@ -11,8 +11,9 @@ change where rows live without touching them:
   Forward context before the kernels run; ``SimpleEmbedding`` ignores them.
 
 How a cached table plugs in: subclass :class:`EmbeddingTable`, keep the full table as ``base``,
-hold an int32 ``slots`` array (one entry per row, -1 = not cached) and a ``cache`` storage array
-of the same dtype, and return ``RowSource(base, cache, slots, codec)`` from ``rows``. The kernels
+hold an int64 pointer table ``slots`` (one entry per row; low bit set = cached at
+``cache[entry >> 2]``) and a ``cache`` storage array of the same dtype, and return
+``RowSource(base, cache, slots, codec)`` from ``rows`` (``embeddings.cached.CachedEmbeddings``). The kernels
 (``embeddings.kernels``) then resolve every row through ``slots`` (see
 ``embeddings.kernels.rowaccess``) for lookups and updates alike.
 """
@@ -50,7 +51,7 @@ class RowSource:
     """What kernels read rows from: see ``embeddings.kernels.rowaccess``.
 
     ``cache`` and ``slots`` are both None for a table without indirection; otherwise ``slots``
-    is an int32 array with one entry per row. ``codec`` is the storage codec marker of ``embeddings.kernels.codecs``; ``dtype`` is the
+    is the int64 pointer table described in ``embeddings.kernels.rowaccess``. ``codec`` is the storage codec marker of ``embeddings.kernels.codecs``; ``dtype`` is the
     logical element type (float32, float64, bfloat16 or float16).
     """
 

@@ -1,10 +1,10 @@
 """``SimpleEmbedding``: a row-major table over a numpy array or any array-like object.
 
 The array is obtained through one hook, :func:`_ndarray_view`; this is the only place that
-knows how to turn the user's ``data`` object into a numpy view. A CachedArray (which supports
-``__array__``) works through it today; the CachedArrays integration replaces the hook's body
-with ``cachedarrays.readable(x)`` / ``cachedarrays.writable(x)`` so the object is pinned while a
-kernel runs. The table keeps the original ``data`` object, never a cached view of it.
+knows how to turn the user's ``data`` object into a numpy view.  A CachedArray is pinned with
+``cachedarrays.readable`` (lookups) or ``cachedarrays.writable`` (updates) for the duration of
+each kernel call, so the policy sees every use and nothing moves under a kernel.  The table
+keeps the original ``data`` object, never a cached view of it.
 """
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
+
+from cachedarrays import CachedArray, readable
+from cachedarrays import writable as writable_view
 
 from .kernels import codecs
 from .protocol import Context, EmbeddingTable, RowSource
@@ -34,6 +37,10 @@ def _ndarray_view(data: Any, writable: bool) -> Iterator[np.ndarray]:
     """
     if isinstance(data, np.ndarray):
         yield data
+        return
+    if isinstance(data, CachedArray):
+        with (writable_view(data) if writable else readable(data)) as view:
+            yield view
         return
     if not writable:
         yield np.asarray(data)

@@ -39,10 +39,18 @@ def test_scrambled_zipf_has_same_frequencies_on_permuted_rows():
     n = 10_000
     ranks = D.zipf_ranks(n, 200_000, 1.0, seed=9, table=4)
     rows = D.zipf(n, 200_000, 1.0, seed=9, table=4)
-    perm = D.lfsr_permutation(n, 9 * 1_000_003 + 4)
+    perm = D.lfsr_permutation(n, 4)  # keyed by table (and scramble_seed=0), not by the sample seed
     assert np.array_equal(rows, perm[ranks])
     assert np.array_equal(np.sort(np.bincount(rows, minlength=n)), np.sort(np.bincount(ranks, minlength=n)))
     assert rows.min() >= 0 and rows.max() < n
+
+
+def test_successive_batches_share_one_hot_set():
+    n = 10_000
+    top = [set(np.argsort(np.bincount(D.zipf(n, 100_000, 1.0, seed=s, table=2), minlength=n))[-20:]) for s in (1, 2)]
+    assert len(top[0] & top[1]) >= 15  # the same rows are hot whatever the sample seed
+    other = set(np.argsort(np.bincount(D.zipf(n, 100_000, 1.0, seed=1, table=3), minlength=n))[-20:])
+    assert len(top[0] & other) <= 3  # another table scrambles differently
 
 
 def test_uniform_frequencies_and_range():

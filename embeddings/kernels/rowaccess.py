@@ -5,10 +5,12 @@ Every kernel reads and writes rows through a *row source*, three arguments:
 * ``base``  – ``(nvectors, featuresize)`` C-contiguous storage (the table itself);
 * ``cache`` – ``(nslots, featuresize)`` storage of the same dtype (rows held elsewhere, e.g. in
   DRAM while ``base`` lives in PM), or ``None``;
-* ``slots`` – per-row indirection, an int32 ``(nvectors,)`` array: ``slots[r] >= 0`` means row
-  ``r`` lives in ``cache[slots[r]]``, ``-1`` means it lives in ``base[r]``; or ``None`` for no
-  indirection (``SimpleEmbedding``). ``None`` is resolved at compile time, so a plain table
-  pays nothing for the indirection a caching table needs.
+* ``slots`` – the pointer table (dissertation Figure 5.7), an int64 ``(nvectors,)`` array with
+  one entry per row.  Its low bit is the *cached* flag: ``slots[r] & 1`` means row ``r`` lives in
+  ``cache[slots[r] >> 2]``; otherwise it lives in ``base[r]``.  Bit 1 is a lock bit used while a
+  thread moves the row (see ``embeddings.kernels.cache``); readers ignore it.  ``None`` means no
+  indirection (``SimpleEmbedding``) and is resolved at compile time, so a plain table pays
+  nothing for the indirection a caching table needs.
 
 This is the dissertation's ``rowpointer(A, i, context)`` expressed with arrays instead of raw
 pointers: a caching table (``CachedEmbeddings``) fills ``cache``/``slots`` in its ``rows(Forward,
@@ -72,8 +74,8 @@ def _row_address(base, cache, slots, r):
 
     def impl(base, cache, slots, r):
         s = slots[r]
-        if s >= 0:
-            return cache.ctypes.data + s * cache.strides[0]
+        if s & 1:
+            return cache.ctypes.data + (s >> 2) * cache.strides[0]
         return base.ctypes.data + r * base.strides[0]
 
     return impl

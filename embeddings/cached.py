@@ -1,0 +1,308 @@
+"""`CachedEmbeddings`: a software cache of hot rows in the fast device over a table in the slow device.
+
+The dissertation's section 5.4.  The base table is a CachedArray in the slow device (PM).  A
+pointer table (one int64 per row, low bits = cached flag and lock bit) says where each row's
+primary copy is; rows move into a ring of cache pages in the fast device (DRAM) when a lookup
+touches them (`access_and_cache`, the Forward context) and are written back a page at a time,
+oldest first (`flush_dirty`).  Updates write to wherever the row currently lives.  The cache
+pages, the pointer table and the back-edges are CachedArrays allocated in the fast device
+through the manager, so its telemetry sees them, and row copies are reported to it too.
+
+Policies (section 5.6.1): ``simple`` (no indirection: every row read from PM), ``static`` (fill
+the cache once with a given hot set, or random rows, then never cache again) and ``dynamic``
+(cache on forward access until full; flush the oldest pages when the limit is reached).
+
+The table pins its arrays for as long as it is open (kernels hold raw views of them); `close`
+releases them.  Sizes (`cachelower`, `cacheslack`) are counted in rows.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numba
+import numpy as np
+
+from cachedarrays import CachedArray, Manager, evict, unsafe_free, writable
+from cachedarrays.errors import InvariantError
+
+from .kernels import cache as K
+from .protocol import Context, EmbeddingTable, Forward, RowSource
+from .simple import _codec_for, _storage
+
+POLICIES = ("simple", "static", "dynamic")
+PAGE_BYTES = 256 << 10
+PAGES_PER_CACHE = 32  # flushing drops whole pages, so a page is a small part of the cache
+
+
+class CachedEmbeddings(EmbeddingTable):
+    """An embedding table whose hot rows are cached in the fast device.
+
+    ``base`` is a 2-d CachedArray (moved to the slow device if it is not there) or an
+    array-like, copied into a new CachedArray in the slow device of ``manager``.
+    ``cache_rows`` (or ``cache_fraction`` of the rows) bounds the cache:
+    ``cachelower + cacheslack == cache_rows``; ``cacheslack`` defaults to a tenth of it (at
+    least one page).  ``hot`` gives the rows the static policy caches (default: random rows
+    drawn with ``seed``).  ``second_chance`` (default on) lets a flush keep rows that were hit
+    since they were cached, moving them to the newest page (a CLOCK-style refinement of the
+    dissertation's plain oldest-page-first flush, which ``second_chance=False`` restores).
+    """
+
+    def __init__(self, base: Any, manager: Manager | None = None, *, policy: str = "dynamic",
+                 cache_rows: int | None = None, cache_fraction: float = 0.1, cacheslack: int | None = None,
+                 page_rows: int | None = None, hot: Any = None, seed: int = 0, second_chance: bool = True,
+                 name: str = "table") -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"{name}: unknown policy {policy!r}; choose from {POLICIES}")
+        if isinstance(base, CachedArray):
+            manager = base.manager
+        elif manager is None:
+            raise TypeError(f"{name}: a manager is needed to place a plain array in the slow device")
+        else:
+            base = CachedArray(np.asarray(base), manager, place="slow")
+        self.name, self.manager, self.policy, self.second_chance = name, manager, policy, second_chance
+        if manager.policy.in_fast(base.object):
+            evict(base)
+        self.base_array = base
+        self._pins = [writable(base)]
+        view = self._pins[0].array
+        if view.ndim != 2 or not view.flags.c_contiguous:
+            raise ValueError(f"{name}: table must be a row-major 2-d array, got shape {view.shape}")
+        self._codec, storage_dtype = _codec_for(view.dtype)
+        self._dtype = view.dtype
+        self._base = _storage(view, storage_dtype)
+        nvectors, featuresize = self._base.shape
+        self._rowbytes = featuresize * self._base.itemsize
+        self.counts = np.zeros(3, np.int64)  # hits, misses, rows cached
+        self.rows_written_back = 0
+        self.flushes = 0
+        self._dirty = False
+        self._cache = self._ptr = self._backedge = self._ref = None
+        self.state = np.zeros(4, np.int64)
+        self.cachelower = self.cacheslack = 0
+        if policy == "simple":
+            return
+        rows = int(cache_rows) if cache_rows is not None else max(1, int(round(cache_fraction * nvectors)))
+        if not 1 <= rows <= nvectors:
+            raise ValueError(f"{name}: cache of {rows} rows must hold between 1 and {nvectors} rows")
+        self.page_rows = int(page_rows or max(1, min(-(-rows // PAGES_PER_CACHE), PAGE_BYTES // max(1, self._rowbytes))))
+        ring = -(-rows // self.page_rows) * self.page_rows
+        self._cache = self._fast((ring, featuresize), storage_dtype)
+        self._ptr = self._fast(np.arange(nvectors, dtype=np.int64) << 2)
+        self._backedge = self._fast(np.full(ring, -1, np.int64))
+        self._ref = self._fast(np.zeros(ring, np.uint8))
+        self.state[:] = (0, 0, rows, ring)
+        slack = min(rows, int(cacheslack if cacheslack is not None else max(self.page_rows, rows // 10)))
+        self._set_bounds(rows - slack, slack)
+        if policy == "static":
+            self._fill_static(hot, seed)
+
+    def _fast(self, shape_or_data: Any, dtype: Any = None) -> np.ndarray:
+        arr = CachedArray(shape_or_data, self.manager, dtype, place="fast")
+        view = writable(arr)
+        self._pins.append(view)
+        return view.array
+
+    def _fill_static(self, hot: Any, seed: int) -> None:
+        limit = int(self.state[K.LIMIT])
+        if hot is None:
+            rows = np.random.default_rng(seed).choice(self.nvectors(), size=limit, replace=False)
+        else:
+            rows = np.asarray(hot, dtype=np.int64).ravel()
+            if rows.size and (rows.min() < 0 or rows.max() >= self.nvectors()):
+                raise IndexError(f"{self.name}: hot rows must be in [0, {self.nvectors()})")
+        t0 = time.perf_counter()
+        before = int(self.counts[2])
+        K.access_and_cache_serial(self._base, self._cache, self._ptr, self._backedge, self._ref, self.state,
+                                  rows.astype(np.int64)[:limit], self.counts)
+        self._account_cached(int(self.counts[2]) - before, time.perf_counter() - t0)
+        self.counts[:] = 0  # the fill is not traffic of the workload
+
+    # ------------------------------------------------------------------ table protocol
+    def eltype(self) -> np.dtype:
+        return self._dtype
+
+    def featuresize(self) -> int:
+        return int(self._base.shape[1])
+
+    def nvectors(self) -> int:
+        return int(self._base.shape[0])
+
+    def example(self) -> Any:
+        return self.base_array
+
+    @contextmanager
+    def rows(self, context: Context | None, indices: np.ndarray | None = None,
+             writable: bool = False) -> Iterator[RowSource]:
+        """Forward context with indices: `access_and_cache` (dynamic) or hit counting; else `access`."""
+        self._check_open()
+        if isinstance(context, Forward) and indices is not None:
+            if self.policy == "dynamic":
+                self.access_and_cache(indices)
+            else:
+                self._count(indices)
+        if writable:
+            self._dirty = True
+        if self.policy == "simple":
+            yield RowSource(self._base, None, None, self._codec, self._dtype)
+        else:
+            yield RowSource(self._base, self._cache, self._ptr, self._codec, self._dtype)
+
+    # ------------------------------------------------------------------ Table 5.4
+    def access_and_cache(self, indices: np.ndarray) -> None:
+        """Cache the rows of ``indices`` that are not cached, while room lasts (flushing first if full)."""
+        if self.isfull():
+            if self._dirty:
+                self.flush_dirty()
+            else:
+                self.flush_clean()
+        idx = np.ascontiguousarray(indices).ravel()
+        if idx.size == 0:
+            return
+        before = int(self.counts[2])
+        t0 = time.perf_counter()
+        nchunks = min(idx.size, 4 * numba.get_num_threads())
+        K.access_and_cache(self._base, self._cache, self._ptr, self._backedge, self._ref, self.state, idx, nchunks,
+                           self.counts)
+        self._account_cached(int(self.counts[2]) - before, time.perf_counter() - t0)
+
+    def access(self, indices: np.ndarray) -> None:
+        """Count an access to ``indices`` without caching (every context but Forward)."""
+        self._count(indices)
+
+    def _count(self, indices: np.ndarray) -> None:
+        idx = np.ascontiguousarray(indices).ravel()
+        if self.policy == "simple":
+            self.counts[1] += idx.size
+        elif idx.size:
+            K.count_hits(self._ptr, idx, self.counts)
+
+    def set_cachelower(self, rows: int) -> None:
+        """Flushes stop once the cache holds at most ``rows`` rows."""
+        self._set_bounds(int(rows), self.cacheslack)
+
+    def set_cacheslack(self, rows: int) -> None:
+        """The cache may grow to ``cachelower + rows`` rows before it is full."""
+        self._set_bounds(self.cachelower, int(rows))
+
+    def _set_bounds(self, lower: int, slack: int) -> None:
+        ring = int(self.state[K.RING])
+        if lower < 0 or slack < 0 or lower + slack > ring or lower + slack < 1:
+            raise ValueError(f"{self.name}: cachelower ({lower}) + cacheslack ({slack}) must be between 1 and the "
+                             f"{ring} rows allocated for the cache")
+        self.cachelower, self.cacheslack = lower, slack
+        self.state[K.LIMIT] = lower + slack
+
+    @property
+    def cached_rows(self) -> int:
+        return int(self.state[K.HEAD] - self.state[K.TAIL])
+
+    def isfull(self) -> bool:
+        return self.policy != "simple" and self.cached_rows >= self.state[K.LIMIT]
+
+    def flush_clean(self, target: int | None = None) -> None:
+        """Drop the oldest pages until at most ``target`` (default ``cachelower``) rows stay; no write-back.
+
+        Refused when rows were updated since they were cached (their only copy is in the cache).
+        """
+        if self._dirty:
+            raise ValueError(f"{self.name}: the cache holds updated rows; flush_clean would lose them, use flush_dirty")
+        self._flush(target, writeback=False)
+
+    def flush_dirty(self, target: int | None = None) -> None:
+        """Write back and drop the oldest pages until at most ``target`` (default ``cachelower``) rows stay."""
+        self._flush(target, writeback=True)
+
+    def _flush(self, target: int | None, writeback: bool) -> None:
+        if self.policy == "simple":
+            return
+        target = self.cachelower if target is None else int(target)
+        spare = self.second_chance and target > 0
+        t0 = time.perf_counter()
+        written = 0
+        while self.cached_rows > target:
+            tail, page = int(self.state[K.TAIL]), self.page_rows
+            stop = min((tail // page + 1) * page, int(self.state[K.HEAD]))
+            written += K.flush_page(self._base, self._cache, self._ptr, self._backedge, self._ref, self.state,
+                                    stop, writeback, spare)
+        self.flushes += 1
+        if self.cached_rows == 0:
+            self._dirty = False
+        if written:
+            self.rows_written_back += written
+            self.manager.account(self.manager.fast, self.manager.slow, written * self._rowbytes,
+                                 time.perf_counter() - t0)
+
+    def _account_cached(self, rows: int, seconds: float) -> None:
+        if rows:
+            self.manager.account(self.manager.slow, self.manager.fast, rows * self._rowbytes, seconds)
+
+    # ------------------------------------------------------------------ reporting and checking
+    def telemetry(self) -> dict:
+        hits, misses, cached = (int(c) for c in self.counts)
+        return {
+            "table": self.name, "policy": self.policy, "hits": hits, "misses": misses,
+            "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+            "rows_cached": cached, "rows_written_back": self.rows_written_back,
+            "bytes_slow_to_fast": cached * self._rowbytes, "bytes_fast_to_slow": self.rows_written_back * self._rowbytes,
+            "cached_rows_now": self.cached_rows, "flushes": self.flushes,
+            "cachelower": self.cachelower, "cacheslack": self.cacheslack,
+        }
+
+    def hitrate(self) -> float:
+        return self.telemetry()["hit_rate"]
+
+    def reset_counters(self) -> None:
+        self.counts[:] = 0
+
+    def check(self) -> None:
+        """Cached flag <=> pointer into a live cache slot; back-edges unique and consistent; size within bounds."""
+        if self.policy == "simple":
+            return
+        ptr, back = self._ptr, self._backedge
+        head, tail, limit, ring = (int(v) for v in self.state)
+        name = self.name
+        if np.any(ptr & K.LOCKED):
+            raise InvariantError(f"{name}: rows {np.flatnonzero(ptr & K.LOCKED)[:5]} are still locked")
+        if not 0 <= head - tail <= min(limit, ring):
+            raise InvariantError(f"{name}: {head - tail} cached rows, limit {limit} (cachelower + cacheslack), ring {ring}")
+        cached = np.flatnonzero(ptr & K.CACHED)
+        uncached = np.flatnonzero((ptr & K.CACHED) == 0)
+        if np.any(ptr[uncached] != uncached << 2):
+            bad = uncached[ptr[uncached] != uncached << 2][:5]
+            raise InvariantError(f"{name}: uncached rows {bad} do not point at their base rows")
+        slots = ptr[cached] >> 2
+        live = np.zeros(ring, bool)
+        live[np.arange(tail, head) % ring] = True
+        if np.any(slots >= ring) or not np.all(live[slots]):
+            raise InvariantError(f"{name}: cached rows {cached[~live[np.minimum(slots, ring - 1)]][:5]} point outside the live pages")
+        if np.any(back[slots] != cached):
+            raise InvariantError(f"{name}: back-edges of rows {cached[back[slots] != cached][:5]} disagree")
+        if cached.size != head - tail or np.any(back[~live] != -1):
+            raise InvariantError(f"{name}: {cached.size} rows marked cached but {head - tail} slots live "
+                                 f"(or a free slot keeps a back-edge)")
+
+    def close(self) -> None:
+        """Write back the cache (if it holds updates), then release and free the fast-device arrays."""
+        if not self._pins:
+            return
+        if self._dirty:
+            self.flush_dirty(0)
+        else:
+            self.flush_clean(0)
+        views, self._pins = self._pins, []
+        for v in views:
+            v.release()
+        unsafe_free([v for v in views[1:]])
+        self._cache = self._ptr = self._backedge = self._ref = None
+
+    def _check_open(self) -> None:
+        if not self._pins:
+            raise RuntimeError(f"{self.name}: table is closed")
+
+    def __repr__(self) -> str:
+        return (f"CachedEmbeddings({self.name!r}, {self.policy}, nvectors={self.nvectors()}, "
+                f"featuresize={self.featuresize()}, cached={self.cached_rows})")

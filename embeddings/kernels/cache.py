@@ -1,0 +1,159 @@
+"""Kernels of the software row cache (dissertation section 5.4, Figure 5.7).
+
+State shared by all threads of a kernel:
+
+* ``ptr``  – the pointer table (see ``rowaccess``): ``r << 2`` while row ``r`` lives in the base
+  table, ``(slot << 2) | CACHED`` once cached; ``LOCKED`` is set while a thread moves the row.
+* ``backedge`` – per cache slot, the row it holds, or -1.
+* ``ref`` – per cache slot, a small saturating count of hits since the row was cached or last
+  spared by a flush (second chance, see `flush_page`).
+* ``state`` – int64 ``[HEAD, TAIL, LIMIT, RING]``: slots are handed out by a bump pointer
+  (``HEAD``, positions grow forever, slot = position % ``RING``); positions ``[TAIL, HEAD)`` are
+  live, and at most ``LIMIT`` may be (cachelower + cacheslack).  Flushing advances ``TAIL`` a
+  page at a time between kernel calls.
+
+A thread that finds a row uncached and unlocked takes ownership with a compare-and-swap on its
+pointer entry; the loser of a race simply reads the row where it is.  The owner claims a slot by
+a CAS on ``HEAD`` (refusing when the cache is at ``LIMIT``), copies the row, records the
+back-edge and publishes the new pointer with an atomic exchange, which also unlocks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .atomics import cas, exchange, fetch_add
+
+CACHED = 1
+LOCKED = 2
+MAX_REF = 3
+HEAD, TAIL, LIMIT, RING = 0, 1, 2, 3
+
+
+@njit(cache=True, inline="always")
+def _claim_slot(state, tail, limit, ring):
+    """A free slot index, or -1 when the cache holds ``limit`` rows."""
+    while True:
+        head = fetch_add(state, HEAD, 0)
+        if head - tail >= limit:
+            return -1
+        if cas(state, HEAD, head, head + 1) == head:
+            return head % ring
+
+
+@njit(cache=True)
+def _cache_chunk(base, cache, ptr, backedge, ref, state, idx, i0, i1, tail, limit, ring, out):
+    """`access_and_cache` over ``idx[i0:i1]``; ``out[:] = (hits, misses, cached)``.
+
+    A hit bumps the slot's reference counter (saturating at ``MAX_REF``; races only lose counts).
+    """
+    F = base.shape[1]
+    hits = 0
+    misses = 0
+    cached = 0
+    for i in range(i0, i1):
+        r = idx[i]
+        e = ptr[r]
+        if e & CACHED:
+            hits += 1
+            s = e >> 2
+            if ref[s] < MAX_REF:
+                ref[s] += 1
+            continue
+        misses += 1
+        if e & LOCKED or cas(ptr, r, e, e | LOCKED) != e:
+            continue  # another thread owns the row: read it where it is
+        slot = _claim_slot(state, tail, limit, ring)
+        if slot < 0:
+            exchange(ptr, r, e)  # full: give the row back unchanged
+            continue
+        src = base[r]
+        dst = cache[slot]
+        for j in range(F):
+            dst[j] = src[j]
+        backedge[slot] = r
+        ref[slot] = 0
+        exchange(ptr, r, (slot << 2) | CACHED)
+        cached += 1
+    out[0] = hits
+    out[1] = misses
+    out[2] = cached
+
+
+@njit(parallel=True, cache=True)
+def access_and_cache(base, cache, ptr, backedge, ref, state, idx, nchunks, counts):
+    """Cache every uncached row of ``idx`` while room lasts; ``counts += (hits, misses, cached)``."""
+    n = idx.size
+    tail = state[TAIL]
+    limit = state[LIMIT]
+    ring = state[RING]
+    part = np.zeros((nchunks, 3), np.int64)
+    for c in prange(nchunks):
+        _cache_chunk(base, cache, ptr, backedge, ref, state, idx, c * n // nchunks, (c + 1) * n // nchunks,
+                     tail, limit, ring, part[c])
+    for c in range(nchunks):
+        for q in range(3):
+            counts[q] += part[c, q]
+
+
+@njit(cache=True)
+def count_hits(ptr, idx, counts):
+    """``counts += (hits, misses, 0)`` for an access that does not cache."""
+    h = 0
+    for i in range(idx.size):
+        if ptr[idx[i]] & CACHED:
+            h += 1
+    counts[0] += h
+    counts[1] += idx.size - h
+
+
+@njit(cache=True)
+def flush_page(base, cache, ptr, backedge, ref, state, stop, writeback, second_chance):
+    """Retire positions ``[TAIL, stop)`` (the oldest page) and set ``TAIL = stop``.
+
+    A row whose reference counter is non-zero gets a second chance when ``second_chance``: it
+    moves (within the fast device) to the head of the ring with its counter decremented.  Other
+    rows are uncached, copied back to the base table first when ``writeback``.  Returns the
+    number of rows copied back.  Runs between lookups, so plain stores suffice; processing the
+    page in order keeps every destination slot free (positions ``[TAIL, TAIL + moved)`` are).
+    """
+    ring = state[RING]
+    head = state[HEAD]
+    F = base.shape[1]
+    written = 0
+    for p in range(state[TAIL], stop):
+        s = p % ring
+        r = backedge[s]
+        if r < 0:
+            continue
+        if second_chance and ref[s] > 0:
+            t = head % ring
+            head += 1
+            if t != s:
+                for j in range(F):
+                    cache[t, j] = cache[s, j]
+                backedge[t] = r
+                backedge[s] = -1
+            ref[t] = ref[s] - 1
+            ptr[r] = (t << 2) | CACHED
+            continue
+        if writeback:
+            for j in range(F):
+                base[r, j] = cache[s, j]
+            written += 1
+        ptr[r] = r << 2
+        backedge[s] = -1
+        ref[s] = 0
+    state[HEAD] = head
+    state[TAIL] = stop
+    return written
+
+
+@njit(cache=True)
+def access_and_cache_serial(base, cache, ptr, backedge, ref, state, idx, counts):
+    """Single-threaded `access_and_cache` (same protocol): the static policy's one-time fill."""
+    part = np.zeros(3, np.int64)
+    _cache_chunk(base, cache, ptr, backedge, ref, state, idx, 0, idx.size, state[TAIL], state[LIMIT], state[RING], part)
+    for q in range(3):
+        counts[q] += part[q]

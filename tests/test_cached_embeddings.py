@@ -1,0 +1,231 @@
+"""CachedEmbeddings: equivalence with a plain table under lookups, updates and flushes, the
+pointer-table invariants, concurrency of caching, policies, bad input and telemetry."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cachedarrays as ca
+from embeddings import SGD, CachedEmbeddings, Ensemble, RowwiseAdagrad, SimpleEmbedding, lookup, pullback
+from embeddings import distributions as D
+
+
+def manager():
+    return ca.Manager(ca.DRAM("32MiB"), ca.PM(None, "64MiB"), policy=ca.LRUPolicy())
+
+
+def base_of(t):
+    with ca.readable(t.base_array) as b:
+        return b.copy()
+
+
+@settings(max_examples=12, deadline=None)
+@given(policy=st.sampled_from(["simple", "static", "dynamic"]), F=st.sampled_from([1, 5, 16, 64]),
+       seed=st.integers(0, 2**31), second_chance=st.booleans(), adagrad=st.booleans())
+def test_hundred_iterations_match_a_simple_table(policy, F, seed, second_chance, adagrad):
+    rng = np.random.default_rng(seed)
+    N = 257
+    data = rng.standard_normal((N, F)).astype(np.float32)
+    m = manager()
+    t = CachedEmbeddings(data.copy(), m, policy=policy, cache_rows=int(rng.integers(8, 64)), page_rows=4,
+                         cacheslack=int(rng.integers(1, 8)), second_chance=second_chance, seed=seed)
+    ref = SimpleEmbedding(data.copy())
+    make = (lambda: RowwiseAdagrad(lr=0.05)) if adagrad else (lambda: SGD(lr=0.1))
+    opt_t, opt_r = make(), make()
+    for it in range(100):
+        batch = int(rng.integers(0, 12))
+        k = int(rng.integers(1, 5))
+        idx = D.zipf(N, (batch, k), 1.2, seed=seed + it) if rng.random() < 0.7 else rng.integers(0, N, (batch, k))
+        op = rng.random()
+        if op < 0.45:
+            mode = ["sum", "mean", None][int(rng.integers(0, 3))]
+            a = lookup(t, idx.ravel()) if mode is None else lookup(t, idx, mode=mode)
+            b = lookup(ref, idx.ravel()) if mode is None else lookup(ref, idx, mode=mode)
+            np.testing.assert_array_equal(a, b)
+        elif op < 0.85:
+            g = rng.standard_normal((batch, F)).astype(np.float32)
+            pullback(t, g, idx, mode="sum", optimizer=opt_t)
+            pullback(ref, g, idx, mode="sum", optimizer=opt_r)
+        else:
+            t.flush_dirty(int(rng.integers(0, 40)))
+        t.check()
+    t.flush_dirty(0)
+    t.check()
+    np.testing.assert_array_equal(base_of(t), ref.data)
+    t.close()
+    m.check()
+
+
+def test_ensemble_of_cached_and_plain_tables_matches_per_table_calls():
+    rng = np.random.default_rng(3)
+    m = manager()
+    datas = [rng.standard_normal((500, 16)).astype(np.float32) for _ in range(3)]
+    tables = [CachedEmbeddings(datas[0].copy(), m, cache_rows=50), SimpleEmbedding(datas[1].copy()),
+              CachedEmbeddings(datas[2].copy(), m, policy="static", cache_rows=100)]
+    refs = [SimpleEmbedding(d.copy()) for d in datas]
+    ens, ens_ref = Ensemble(tables), Ensemble(refs)
+    opt, opt_ref = SGD(lr=0.1), SGD(lr=0.1)
+    for it in range(20):
+        idx = [D.zipf(500, (64, 3), 1.0, seed=it, table=j) for j in range(3)]
+        np.testing.assert_array_equal(ens.lookup(idx, mode="sum"), ens_ref.lookup(idx, mode="sum"))
+        g = rng.standard_normal((64, 3, 16)).astype(np.float32)
+        ens.pullback(g, idx, mode="sum", optimizer=opt)
+        ens_ref.pullback(g, idx, mode="sum", optimizer=opt_ref)
+        for t in tables:
+            if isinstance(t, CachedEmbeddings):
+                t.check()
+    for t, r in zip(tables, refs):
+        if isinstance(t, CachedEmbeddings):
+            t.flush_dirty(0)
+            np.testing.assert_array_equal(base_of(t), r.data)
+        else:
+            np.testing.assert_array_equal(t.data, r.data)
+
+
+CONCURRENT = r"""
+import numba, numpy as np, cachedarrays as ca
+from embeddings import CachedEmbeddings, SimpleEmbedding, SGD, lookup, pullback
+assert numba.get_num_threads() == {threads}, numba.get_num_threads()
+rng = np.random.default_rng(0)
+m = ca.Manager(ca.DRAM("32MiB"), ca.PM(None, "64MiB"), policy=ca.LRUPolicy())
+data = rng.standard_normal((4000, 32)).astype(np.float32)
+t = CachedEmbeddings(data.copy(), m, cache_rows=600, page_rows=16)
+ref = SimpleEmbedding(data.copy())
+opt, opt_ref = SGD(lr=0.01), SGD(lr=0.01)
+for it in range(30):
+    idx = rng.integers(0, 40, size=(2000, 8))  # every thread fights over the same 40 hot rows
+    idx[::7] = rng.integers(0, 4000, size=(idx[::7].shape))
+    assert np.array_equal(lookup(t, idx, mode="sum"), lookup(ref, idx, mode="sum"))
+    t.check()
+    ptr = t._ptr
+    cached = np.flatnonzero(ptr & 1)
+    assert len(set((ptr[cached] >> 2).tolist())) == cached.size  # one copy per row, one row per slot
+    g = rng.standard_normal((2000, 32)).astype(np.float32)
+    pullback(t, g, idx, mode="sum", optimizer=opt)
+    pullback(ref, g, idx, mode="sum", optimizer=opt_ref)
+t.flush_dirty(0)
+with ca.readable(t.base_array) as b:
+    assert np.array_equal(b, ref.data)  # no update lost
+print("ok", t.telemetry()["rows_cached"])
+"""
+
+
+@pytest.mark.parametrize("threads", [2, 8])
+def test_many_threads_cache_and_update_the_same_hot_rows(threads):
+    env = {**os.environ, "NUMBA_NUM_THREADS": str(threads)}
+    out = subprocess.run([sys.executable, "-c", CONCURRENT.format(threads=threads)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("ok")
+
+
+def test_bad_indices_are_refused_before_anything_is_cached():
+    m = manager()
+    t = CachedEmbeddings(np.ones((100, 8), np.float32), m, cache_rows=10, name="users")
+    before = t._ptr.copy()
+    with pytest.raises(IndexError, match="users"):
+        lookup(t, np.array([[1, 2], [3, 100]]), mode="sum")
+    with pytest.raises(IndexError):
+        lookup(t, np.array([-1]))
+    with pytest.raises(TypeError):
+        lookup(t, np.array([1.5, 2.0]))
+    assert np.array_equal(t._ptr, before) and t.cached_rows == 0 and t.counts.sum() == 0
+    t.check()
+
+
+def test_table_5_4_api_and_flush_rules():
+    m = manager()
+    t = CachedEmbeddings(np.arange(2000 * 4, dtype=np.float32).reshape(2000, 4), m, cache_rows=100, page_rows=10,
+                         cacheslack=30)
+    assert (t.cachelower, t.cacheslack) == (70, 30) and not t.isfull()
+    lookup(t, np.arange(150))
+    assert t.isfull() and t.cached_rows == 100
+    tel = t.telemetry()
+    assert tel["misses"] == 150 and tel["rows_cached"] == 100 and tel["bytes_slow_to_fast"] == 100 * 16
+    cached = np.flatnonzero(t._ptr & 1)
+    assert cached.size == 100 and cached.max() < 150
+    t.access(cached)  # counts without caching
+    assert t.telemetry()["hits"] == 100
+    lookup(t, np.arange(150, 160))  # full: the oldest pages are flushed first, then these are cached
+    assert 70 < t.cached_rows <= 80 and t.telemetry()["flushes"] == 1
+    t.flush_clean()
+    assert t.cached_rows <= 70
+    pullback(t, np.ones((5, 4), np.float32), np.array([[95], [96], [97], [98], [99]]), mode="sum", optimizer=SGD(lr=1))
+    with pytest.raises(ValueError, match="flush_dirty"):
+        t.flush_clean()
+    t.flush_dirty(0)
+    assert t.cached_rows == 0 and t.telemetry()["rows_written_back"] > 0
+    assert base_of(t)[99, 0] == 99 * 4 - 1  # the update reached the base table
+    t.set_cachelower(50)
+    t.set_cacheslack(10)
+    assert t.state[2] == 60
+    with pytest.raises(ValueError, match="cachelower"):
+        t.set_cacheslack(1000)
+    moved = m.telemetry()["bytes_moved"]
+    assert moved["PM->DRAM"] >= 100 * 16 and moved["DRAM->PM"] > 0  # the manager saw the row copies
+    t.check()
+    t.close()
+    m.check()
+
+
+def test_cache_lives_in_the_fast_device_and_base_in_the_slow_one():
+    m = manager()
+    base = ca.CachedArray(np.zeros((1000, 16), np.float32), m)  # placed in DRAM by the policy
+    t = CachedEmbeddings(base, cache_rows=100)
+    assert m.primary(base.object).device is m.slow
+    assert m.fast.used_bytes >= 100 * 64 + 1000 * 8  # cache pages and pointer table
+    with pytest.raises(ca.PinnedError):
+        ca.evict(t._pins[1])  # cache pages are pinned while the table is open
+    t.close()
+    assert not m.pinned(base.object)
+
+
+def test_static_policy_fills_once_and_never_caches_again():
+    m = manager()
+    hot = np.arange(0, 200, 2)
+    t = CachedEmbeddings(np.zeros((1000, 8), np.float32), m, policy="static", cache_rows=100, hot=hot)
+    assert t.cached_rows == 100 and np.all(t._ptr[hot] & 1)
+    lookup(t, np.arange(1, 200, 2))
+    lookup(t, hot)
+    tel = t.telemetry()
+    assert t.cached_rows == 100 and tel["hits"] == 100 and tel["misses"] == 100
+    t.check()
+
+
+def test_simple_policy_has_no_indirection():
+    m = manager()
+    t = CachedEmbeddings(np.ones((100, 8), np.float32), m, policy="simple")
+    with t.rows(None) as src:
+        assert src.slots is None and src.cache is None
+    lookup(t, np.arange(10))
+    assert t.telemetry()["misses"] == 10 and t.hitrate() == 0.0
+
+
+def test_dynamic_policy_keeps_the_hot_rows_of_a_zipf_stream():
+    m = manager()
+    N = 50_000
+    t = CachedEmbeddings(np.zeros((N, 8), np.float32), m, cache_fraction=0.1)
+    for it in range(30):
+        if it == 15:
+            t.reset_counters()
+        lookup(t, D.zipf(N, 4096, 1.0, seed=it))
+    p = 1 / np.arange(1, N + 1)
+    oracle = p[: N // 10].sum() / p.sum()
+    assert t.hitrate() > 0.85 * oracle
+    t.check()
+
+
+def test_simple_embedding_over_a_cachedarray_pins_it_per_kernel_and_keeps_updates():
+    m = manager()
+    x = ca.CachedArray(np.ones((100, 8), np.float32), m)
+    t = SimpleEmbedding(x)
+    pullback(t, np.ones((2, 8), np.float32), np.array([[3], [4]]), mode="sum", optimizer=SGD(lr=0.5))
+    assert not m.pinned(x.object)  # pinned only while the kernel ran
+    np.testing.assert_array_equal(lookup(t, np.array([3, 5]))[:, 0], [0.5, 1.0])
+    ca.evict(x)  # the policy may move it between kernel calls
+    np.testing.assert_array_equal(lookup(t, np.array([4]))[0], np.full(8, 0.5, np.float32))
