@@ -67,6 +67,7 @@ class Heap:
         self._prev: dict[int, int] = {}
         self._requested: dict[int, int] = {}
         self._bins: list[dict[int, None]] = [{} for _ in range(_bin(capacity) + 1)]
+        self._bin_of: dict[int, int] = {}  # free block start -> its bin
         self._nonempty = 0
         self._free_bytes = 0
         self._walk_depth = 0
@@ -137,16 +138,16 @@ class Heap:
     # ------------------------------------------------------------------ allocate / free
     def allocate(self, nbytes: int) -> int | None:
         """Offset of a new occupied block holding ``nbytes``, or None when nothing fits."""
-        self._validate_request(nbytes)
+        if type(nbytes) is not int or not 0 < nbytes <= self.capacity:
+            self._validate_request(nbytes)
         if self._walk_depth:
             raise RuntimeError("cannot allocate from a heap while evictfrom is walking it")
-        need = round_up(nbytes, ALIGN)
-        align = alignment_for(nbytes)
+        need = -(-nbytes // ALIGN) * ALIGN
+        align = PAGE if nbytes >= PAGE else ALIGN
         start = self._find(need, align)
         if start is None:
             return None
-        self._carve(start, need, align, nbytes)
-        return start + (-start) % align
+        return self._carve(start, need, align, nbytes)
 
     def free(self, offset: int) -> None:
         """Return the occupied block at ``offset`` to the heap, coalescing free neighbours."""
@@ -170,44 +171,72 @@ class Heap:
         return size >= need + (-start) % align
 
     def _find(self, need: int, align: int) -> int | None:
+        """Take a free block that fits out of the free index (the caller carves it), or None."""
         worst = need + align - ALIGN
         first = _bin(worst) + 1
         mask = self._nonempty >> first
         if mask:
             b = first + (mask & -mask).bit_length() - 1
-            return next(iter(self._bins[b]))
+            bucket = self._bins[b]
+            start = bucket.popitem()[0]  # O(1), and leaves no deleted-entry holes to skip later
+            del self._bin_of[start]
+            if not bucket:
+                self._nonempty &= ~(1 << b)
+            return start
         # No bin is certain to fit: look through the bins that may hold a fitting block.
         for b in range(_bin(need), min(first, len(self._bins))):
             if self._nonempty >> b & 1:
                 for start in self._bins[b]:
                     if self._fits(start, self._size[start], need, align):
+                        self._remove_free(start)
                         return start
         return None
 
-    def _carve(self, start: int, need: int, align: int, nbytes: int) -> None:
+    def _carve(self, start: int, need: int, align: int, nbytes: int) -> int:
+        """Occupy ``need`` bytes of the free block at ``start``, already taken out of the free index
+        by `_find` (after alignment padding); returns the offset."""
         size = self._size[start]
-        self._remove_free(start)
+        prev = self._prev[start]
         pad = (-start) % align
         at = start + pad
         if pad:
-            self._add_free(start, pad, prev=self._prev[start])
-            self._set_block(at, need, prev=start)
-        else:
-            self._set_block(at, need, prev=self._prev[start])
+            self._add_free(start, pad, prev)
+            prev = start
+        self._size[at] = need
+        self._prev[at] = prev
         self._requested[at] = nbytes
         self._free_bytes -= need
         rest = size - pad - need
+        end = at + need
         if rest:
-            self._add_free(at + need, rest, prev=at)
-            self._fix_next_prev(at + need)
-        else:
-            self._fix_next_prev(at)
+            self._add_free(end, rest, at)
+            nxt = end + rest
+            if nxt < self.capacity:
+                self._prev[nxt] = end
+        elif end < self.capacity:
+            self._prev[end] = at
+        return at
 
     def _release(self, offset: int) -> None:
+        """Free one occupied block, merging it with free neighbours (the hot path of `free`)."""
         size = self._size[offset]
         del self._requested[offset]
         self._free_bytes += size
-        self._coalesce(offset, offset + size)
+        lo, hi = offset, offset + size
+        requested = self._requested
+        prev = self._prev[lo]
+        if prev >= 0 and prev not in requested:
+            self._remove_free(prev)
+            del self._size[lo], self._prev[lo]
+            lo = prev
+        if hi < self.capacity and hi not in requested:
+            self._remove_free(hi)
+            nxt = hi + self._size.pop(hi)
+            del self._prev[hi]
+            hi = nxt
+        self._add_free(lo, hi - lo, self._prev[lo])
+        if hi < self.capacity:
+            self._prev[hi] = lo
 
     # ------------------------------------------------------------------ eviction and compaction
     def evictfrom(
@@ -325,6 +354,7 @@ class Heap:
         self._requested.clear()
         for bucket in self._bins:
             bucket.clear()
+        self._bin_of.clear()
         self._nonempty = 0
         self._free_bytes = 0
         prev, cursor = -1, 0
@@ -382,7 +412,7 @@ class Heap:
             if bool(bucket) != bool(self._nonempty >> b & 1):
                 fail(f"bitmap bit {b} disagrees with bin contents ({len(bucket)} blocks)")
             binned.update(bucket)
-        if binned != free_seen:
+        if binned != free_seen or self._bin_of.keys() != free_seen:
             fail(f"bins hold {sorted(binned - free_seen)[:5]} that are not free blocks, or miss {sorted(free_seen - binned)[:5]}")
         if self._walk_depth or self._deferred:
             fail("an evictfrom walk is still in progress")
@@ -393,13 +423,22 @@ class Heap:
         self._prev[start] = prev
 
     def _add_free(self, start: int, size: int, prev: int) -> None:
-        self._set_block(start, size, prev)
-        b = _bin(size)
-        self._bins[b][start] = None
-        self._nonempty |= 1 << b
+        self._size[start] = size
+        self._prev[start] = prev
+        units = size >> 6  # _bin(size), inlined: this is the allocator's hottest line
+        if units < _SUBS:
+            b = units
+        else:
+            e = units.bit_length() - 1
+            b = (e - _SUB_BITS + 1) * _SUBS + ((units >> (e - _SUB_BITS)) & (_SUBS - 1))
+        bucket = self._bins[b]
+        if not bucket:
+            self._nonempty |= 1 << b
+        bucket[start] = None
+        self._bin_of[start] = b
 
     def _remove_free(self, start: int) -> None:
-        b = _bin(self._size[start])
+        b = self._bin_of.pop(start)
         bucket = self._bins[b]
         del bucket[start]
         if not bucket:
@@ -439,9 +478,5 @@ class Heap:
         return lo
 
     def _remove_free_if_indexed(self, start: int) -> None:
-        b = _bin(self._size[start])
-        bucket = self._bins[b]
-        if start in bucket:
-            del bucket[start]
-            if not bucket:
-                self._nonempty &= ~(1 << b)
+        if start in self._bin_of:
+            self._remove_free(start)
