@@ -136,8 +136,8 @@ def noescape(manager: Manager, f: Callable, *args: Any, **kwargs: Any) -> Any:
     first = manager.next_id
     result = f(*args, **kwargs)
     escaped = preserve((result, args, kwargs))
-    temporaries = [o for o in manager.objects(since=first) if o.id not in escaped]
-    for obj in temporaries:
-        if obj.alive and not manager.pinned(obj):
+    for id_ in range(first, manager.next_id):  # only objects born during the call (Listing 4.8)
+        obj = manager.getobject(id_)
+        if obj is not None and id_ not in escaped and not manager.pinned(obj):
             manager.policy.unsafe_free(obj)
     return result

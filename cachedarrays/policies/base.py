@@ -218,7 +218,7 @@ class Policy:
                 region = m.allocate(self.fast, nbytes)
                 if region is not None:
                     return region
-        self._collect()
+        self._collect(run_gc=self.collect_at is not None)
         region = m.allocate(self.fast, nbytes)
         if region is None and required:
             only_pinned = " (every object left in it is pinned by a live view)" if pinned_seen else ""
@@ -237,7 +237,9 @@ class Policy:
         if self.collect_at is not None and device.used_bytes >= self.collect_at * device.capacity:
             self._collect()
 
-    def _collect(self) -> None:
-        gc.collect()
-        if self.m.collect():
+    def _collect(self, run_gc: bool = True) -> None:
+        """Free objects whose last reference died; ``run_gc`` also runs Python's cycle collector first."""
+        if run_gc:
+            gc.collect()
             self.m.record("gc_collections")
+        self.m.collect()
