@@ -1,0 +1,147 @@
+"""A tape of layer applications and reverse-mode differentiation over it.
+
+Models are Python functions that call ``tape(layer, *inputs)``; the tape runs
+the (annotated) forward pass and records a `Node` per call: the layer, its
+input and output CachedArrays and its saved activations.  `Tape.backward` walks
+the nodes in reverse, accumulating gradients of tensors used more than once
+(residual shortcuts, DenseNet feature maps), and hands dead tensors to the
+annotations' cleanup as soon as the node that produced them is done.
+
+The tape keeps every node (and so every tensor) referenced until it is
+dropped, like a tracing garbage collector that has not run yet: Python's
+reference counting would otherwise free dead tensors at once, which would make
+every mode behave as if it had the memory optimisations (M).  Dropping the tape
+at the end of an iteration is the garbage collection the dissertation ran after
+each iteration.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+from cachedarrays import CachedArray
+
+from . import kernels as K
+from .annotate import Annotations
+from .execute import Executor
+from .layers import Layer
+
+
+@dataclass
+class Node:
+    layer: Layer
+    inputs: tuple
+    output: CachedArray
+    saved: tuple
+    scope: int | None
+
+
+class GradStore:
+    """Gradients by tensor (object id); a gradient object may serve several tensors (Add shares dy)."""
+
+    def __init__(self, ex: Executor):
+        self.ex = ex
+        self.grads: dict[int, CachedArray] = {}
+        self.users: dict[int, int] = {}
+
+    def add(self, key: int, g: CachedArray) -> None:
+        """Accumulate ``g`` into the gradient of ``key`` (in place when that gradient is not shared)."""
+        acc = self.grads.get(key)
+        if acc is None:
+            self.grads[key] = g
+            self.users[g.object.id] = self.users.get(g.object.id, 0) + 1
+            return
+        if self.users[acc.object.id] == 1 and acc.object.id != g.object.id:
+            self.ex.call_into(K.add_fwd, (acc, g), (acc,))
+            return
+        (total,) = self.ex.call(K.add_fwd, (acc, g))
+        self._drop(acc)
+        self.grads[key] = total
+        self.users[total.object.id] = 1
+
+    def pop(self, key: int) -> CachedArray | None:
+        g = self.grads.pop(key, None)
+        if g is not None:
+            self._drop(g)
+        return g
+
+    def _drop(self, g: CachedArray) -> None:
+        self.users[g.object.id] -= 1
+        if not self.users[g.object.id]:
+            del self.users[g.object.id]
+
+    def live(self) -> list[CachedArray]:
+        return list(self.grads.values())
+
+
+class Tape:
+    """Records the forward pass of one iteration; see the module docstring."""
+
+    def __init__(self, ex: Executor, annotations: Annotations):
+        self.ex = ex
+        self.ann = annotations
+        self.nodes: list[Node] = []
+        self._scope: int | None = None
+        self._scopes = 0
+        self.produced: set[int] = set()
+
+    def __call__(self, layer: Layer, *xs: CachedArray) -> CachedArray:
+        y, saved = self.ann.forward(self.ex, layer, xs)
+        self.nodes.append(Node(layer, tuple(xs), y, tuple(saved), self._scope))
+        self.produced.add(y.object.id)
+        return y
+
+    @contextmanager
+    def scope(self) -> Iterator[None]:
+        """Group the nodes recorded inside into one block (for block-granularity cleanup)."""
+        outer = self._scope
+        self._scopes += 1
+        self._scope = self._scopes
+        try:
+            yield
+        finally:
+            self._scope = outer
+
+    def backward(self, loss: CachedArray) -> list[tuple[CachedArray, CachedArray]]:
+        """Gradients of every layer parameter, as ``[(param, grad), ...]`` in the order the parameters
+        were first used; ``loss`` must be the output of the last node (its own gradient is implicit)."""
+        if not self.nodes or self.nodes[-1].output is not loss:
+            raise ValueError("backward(loss) needs loss to be the output of the last recorded layer")
+        grads = GradStore(self.ex)
+        pgrads = GradStore(self.ex)
+        params: dict[int, CachedArray] = {}
+        deferred: list[Node] = []
+        dead_block: list = []
+        block = self.ann.granularity == "block"
+        for i in range(len(self.nodes) - 1, -1, -1):
+            node = self.nodes[i]
+            dy = None if i == len(self.nodes) - 1 else grads.pop(node.output.object.id)
+            if dy is None and i != len(self.nodes) - 1:
+                continue  # nothing downstream needs this node's gradient
+            need = [x.object.id in self.produced if isinstance(x, CachedArray) else False for x in node.inputs]
+            dxs, dps = self.ann.backward(self.ex, node.layer, dy, node.saved, need)
+            for x, dx, wanted in zip(node.inputs, dxs, need):
+                if dx is not None and wanted:
+                    grads.add(x.object.id, dx)
+            for p, dp in zip(node.layer.params, dps):
+                params.setdefault(p.object.id, p)
+                pgrads.add(p.object.id, dp)
+            dead = (node.output, node.saved, dy, dxs)
+            inputs: tuple | list = node.inputs
+            if block and node.scope is not None:
+                deferred.append(node)
+                dead_block.append(dead)
+                first_of_scope = i == 0 or self.nodes[i - 1].scope != node.scope
+                if not first_of_scope:
+                    continue
+                # the block is done: free everything it made, keeping what flowed in from outside it
+                made = {n.output.object.id for n in deferred}
+                inputs = [x for n in deferred for x in n.inputs
+                          if isinstance(x, CachedArray) and x.object.id not in made]
+                dead, deferred, dead_block = dead_block, [], []
+            keep = (inputs, list(params.values()), grads.live(), pgrads.live())
+            self.ann.release_dead(dead, keep)
+        order = list(reversed(list(params)))
+        return [(params[k], pgrads.grads[k]) for k in order]
