@@ -7,8 +7,8 @@ the nodes in reverse, accumulating gradients of tensors used more than once
 (residual shortcuts, DenseNet feature maps), and hands dead tensors to the
 annotations' cleanup as soon as the node that produced them is done.
 
-The tape keeps every node (and so every tensor) referenced until it is
-dropped, like a tracing garbage collector that has not run yet: Python's
+The tape keeps every node and every gradient it made (and so every tensor of
+the iteration) referenced until it is dropped, like a tracing garbage collector that has not run yet: Python's
 reference counting would otherwise free dead tensors at once, which would make
 every mode behave as if it had the memory optimisations (M).  Dropping the tape
 at the end of an iteration is the garbage collection the dissertation ran after
@@ -86,6 +86,7 @@ class Tape:
         self._scope: int | None = None
         self._scopes = 0
         self.produced: set[int] = set()
+        self.retained: list = []  # gradients made by backward, kept until the tape is dropped
 
     def __call__(self, layer: Layer, *xs: CachedArray) -> CachedArray:
         y, saved = self.ann.forward(self.ex, layer, xs)
@@ -129,6 +130,7 @@ class Tape:
                 params.setdefault(p.object.id, p)
                 pgrads.add(p.object.id, dp)
             dead = (node.output, node.saved, dy, dxs)
+            self.retained.append((dy, dxs, dps))  # a tracing GC would not see these die before it runs
             inputs: tuple | list = node.inputs
             if block and node.scope is not None:
                 deferred.append(node)

@@ -78,14 +78,20 @@ class Trainer:
         self.m.collect()
         return value
 
-    def predict(self, x_np: np.ndarray, chunk: int = 512) -> np.ndarray:
-        """Class predictions (batch statistics in batch norm, over chunks of ``chunk`` images)."""
+    def predict(self, x_np: np.ndarray, chunk: int | None = None) -> np.ndarray:
+        """Class predictions, ``chunk`` images at a time (default: the training batch, padded, so the
+        jitted kernels of training are reused); batch norm uses each chunk's statistics."""
+        chunk = chunk or self.cfg.batch
         out = []
         for i in range(0, len(x_np), chunk):
-            x = CachedArray(np.ascontiguousarray(x_np[i:i + chunk]), self.m)
+            part = x_np[i:i + chunk]
+            n = len(part)
+            if n < chunk:  # pad with copies of the chunk, so the shape (and the statistics' scale) stays
+                part = np.concatenate([part] * (-(-chunk // n)))[:chunk]
+            x = CachedArray(np.ascontiguousarray(part), self.m)
             tape = Tape(self.ex, self.ann)
             logits = self.model.forward(tape, x)
-            out.append(np.asarray(logits).argmax(axis=-1))
+            out.append(np.asarray(logits)[:n].argmax(axis=-1))
             self.ann.release_dead((tape.nodes, x), self.model.params)
             del tape, logits, x
             self.m.collect()
