@@ -13,6 +13,11 @@ reference counting would otherwise free dead tensors at once, which would make
 every mode behave as if it had the memory optimisations (M).  Dropping the tape
 at the end of an iteration is the garbage collection the dissertation ran after
 each iteration.
+
+Given the schedule from `plan_last_uses`, the tape also frees, during the
+forward pass, activations that no backward kernel needs once their last
+consumer has run (a batch norm's output after the ReLU read it; DenseNet's
+feature maps after the block's last concatenation).
 """
 
 from __future__ import annotations
@@ -79,9 +84,11 @@ class GradStore:
 class Tape:
     """Records the forward pass of one iteration; see the module docstring."""
 
-    def __init__(self, ex: Executor, annotations: Annotations):
+    def __init__(self, ex: Executor, annotations: Annotations, last_uses: list[list[int]] | None = None):
         self.ex = ex
         self.ann = annotations
+        self.last_uses = last_uses or []
+        self.saved_ids: set[int] = set()
         self.nodes: list[Node] = []
         self._scope: int | None = None
         self._scopes = 0
@@ -90,8 +97,16 @@ class Tape:
 
     def __call__(self, layer: Layer, *xs: CachedArray) -> CachedArray:
         y, saved = self.ann.forward(self.ex, layer, xs)
+        k = len(self.nodes)
         self.nodes.append(Node(layer, tuple(xs), y, tuple(saved), self._scope))
         self.produced.add(y.object.id)
+        self.saved_ids.update(s.object.id for s in saved if isinstance(s, CachedArray))
+        if k < len(self.last_uses):
+            # inputs whose last consumer this was and that no backward kernel needs are dead already
+            dead = [xs[i] for i in self.last_uses[k] if xs[i].object.id in self.produced
+                    and xs[i].object.id not in self.saved_ids]
+            if dead:
+                self.ann.release_dead(dead, ())
         return y
 
     @contextmanager
@@ -147,3 +162,49 @@ class Tape:
             self.ann.release_dead(dead, keep)
         order = list(reversed(list(params)))
         return [(params[k], pgrads.grads[k]) for k in order]
+
+
+class _Token:
+    """A stand-in tensor for `plan_last_uses`."""
+
+    shape = ()
+
+
+class _PlanTape:
+    def __init__(self):
+        self.nodes: list[list[int]] = []
+        self.tokens: list[_Token] = []  # kept alive so that ids stay unique
+
+    def __call__(self, layer: Layer, *xs) -> _Token:
+        t = _Token()
+        self.tokens.append(t)
+        self.nodes.append([id(x) for x in xs])
+        return t
+
+    @contextmanager
+    def scope(self) -> Iterator[None]:
+        yield
+
+
+def plan_last_uses(forward, *extra_layers: Layer) -> list[list[int]]:
+    """For each node of ``forward(tape, x)`` (then ``extra_layers`` applied to its output and a second
+    input, like the loss), the input positions for which that node is the last consumer.
+
+    The models are static, so running the wiring once on tokens (no kernels) gives the schedule a
+    compiler would use for liveness; `Tape` frees, in the forward pass, an activation whose last
+    consumer has run and that no backward kernel saved (mode M), instead of leaving it until the
+    backward pass reaches its producer.
+    """
+    pt = _PlanTape()
+    x = _Token()
+    pt.tokens.append(x)
+    out = forward(pt, x)
+    for layer in extra_layers:
+        other = _Token()
+        pt.tokens.append(other)
+        out = pt(layer, out, other)
+    last: dict[int, int] = {}
+    for k, ins in enumerate(pt.nodes):
+        for t in ins:
+            last[t] = k
+    return [[i for i, t in enumerate(ins) if last[t] == k and ins.index(t) == i] for k, ins in enumerate(pt.nodes)]

@@ -21,7 +21,7 @@ from cachedarrays import CachedArray, Manager, OutOfMemoryError, format_size
 from .annotate import Annotations
 from .data import synthetic_batch
 from .execute import Executor
-from .graph import Tape
+from .graph import Tape, plan_last_uses
 from .layers import SoftmaxCrossEntropy
 from .models import Model, build
 from .modes import MIN_PM, BudgetTooSmallError, check_budget, make_manager, parse_budget
@@ -61,13 +61,14 @@ class Trainer:
                                   classes=cfg.classes, in_channels=cfg.channels, seed=cfg.seed)
         self.opt = SGD(self.model.params, cfg.lr, cfg.momentum)
         self.loss_layer = SoftmaxCrossEntropy()
+        self.plan = plan_last_uses(self.model.forward, self.loss_layer)
         self.m.collect()
 
     def step(self, x_np: np.ndarray, y_np: np.ndarray) -> float:
         """One training iteration (forward, backward, SGD); returns the loss before the update."""
         x = CachedArray(x_np, self.m)
         y = CachedArray(y_np.astype(np.int32), self.m)
-        tape = Tape(self.ex, self.ann)
+        tape = Tape(self.ex, self.ann, self.plan)
         loss = tape(self.loss_layer, self.model.forward(tape, x), y)
         value = float(loss)
         pgrads = tape.backward(loss)
