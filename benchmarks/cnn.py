@@ -6,7 +6,9 @@ device sized to each budget.  Reported per run: seconds per iteration (median
 of the iterations after the first), modeled seconds (compute measured + copies
 modeled at the device bandwidths), bytes written to and read from PM — copies
 by the manager plus kernel operands read or written in place on PM — and the
-ratios to ``dram`` (time) and to ``2lm`` (PM traffic).
+ratios to ``dram`` (time) and to ``2lm`` (PM traffic).  The modes of one budget
+run side by side with a ``dram`` run, their iterations interleaved, so the
+time ratios see the same machine noise.
 
 Targets, from the dissertation's results:
   - caLM writes at most 0.35x the PM bytes of 2lm on the ResNet and DenseNet families;
@@ -27,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import _common as C  # noqa: E402
 from cnn.modes import CA_MODES, MODES, BudgetTooSmallError  # noqa: E402
-from cnn.trainer import Config, measure_footprint, run_mode  # noqa: E402
+from cnn.trainer import Config, Session, measure_footprint  # noqa: E402
 
 FULL = {"vgg": Config("vgg", 16, 16, 16, 32), "resnet": Config("resnet", 26, 8, 16, 32),
         "densenet": Config("densenet", 29, 8, 16, 32)}
@@ -55,6 +57,24 @@ def summarise(run) -> dict:
     }
 
 
+def interleaved(cfg: Config, fp, budget: int, iterations: int, pm_dir) -> dict:
+    """Run dram and every budgeted mode side by side, alternating their iterations (order reversed on odd
+    iterations) so that machine noise hits them alike; returns `summarise` of each, or its error."""
+    sessions, out = {}, {}
+    for mode in MODES:
+        try:
+            sessions[mode] = Session(cfg, mode, None if mode == "dram" else f"{budget}%", fp, pm_dir=pm_dir)
+        except BudgetTooSmallError as e:
+            out[mode] = {"error": str(e)}
+    order = list(sessions)
+    for i in range(iterations):
+        for mode in (order if i % 2 == 0 else order[::-1]):
+            sessions[mode].step(i)
+    for mode in order:
+        out[mode] = summarise(sessions[mode].close())
+    return {m: out[m] for m in MODES}
+
+
 def ratio(a: float, b: float) -> float | str:
     return a / b if b else ("-" if not a else "inf")
 
@@ -62,6 +82,9 @@ def ratio(a: float, b: float) -> float | str:
 def main(argv=None) -> int:
     p = C.parser(__doc__, "results/cnn.json")
     p.add_argument("--iterations", type=int, default=None, help="iterations per run (default 3, quick 2)")
+    p.add_argument("--pm-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
+                   help="directory for the PM files (default /dev/shm, so page-cache writeback to a disk does "
+                        "not add noise to the measured copy times)")
     p.add_argument("--families", default="vgg,resnet,densenet", help="comma-separated subset of vgg,resnet,densenet")
     args = p.parse_args(argv)
     configs = QUICK if args.quick else FULL
@@ -72,30 +95,30 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     for family in families:
         cfg = configs[family]
-        fp = measure_footprint(cfg)
+        fp = measure_footprint(cfg, pm_dir=args.pm_dir)
         fam = {"config": vars(cfg), "footprint": fp.__dict__, "runs": {}}
         results["families"][family] = fam
         print(f"{cfg.label}: footprint {fp.footprint / MiB:.1f} MiB, smallest budget {fp.min_budget / MiB:.2f} MiB "
               f"({100 * fp.min_budget / fp.footprint:.1f}%)", flush=True)
-        base = summarise(run_mode(cfg, "dram", None, iterations, fp))
-        fam["runs"]["dram"] = base
-        rows.append([family, "-", "dram", base["seconds"], 1.0, base["modeled_seconds"], 1.0,
-                     base["pm_written"] / MiB, base["pm_read"] / MiB, "-", "-", "-"])
+        base = None
         for budget in BUDGETS:
-            per = {}
-            for mode in MODES[1:]:
-                try:
-                    per[mode] = summarise(run_mode(cfg, mode, f"{budget}%", iterations, fp))
-                except BudgetTooSmallError as e:
-                    per[mode] = {"error": str(e)}
+            per = interleaved(cfg, fp, budget, iterations, args.pm_dir)
+            if base is None:  # the first group's dram run is the family's baseline row
+                base = per["dram"]
+                fam["runs"]["dram"] = base
+                rows.append([family, "-", "dram", base["seconds"], 1.0, base["modeled_seconds"], 1.0,
+                             base["pm_written"] / MiB, base["pm_read"] / MiB, "-", "-", "-"])
             fam["runs"][f"{budget}%"] = per
             two = per.get("2lm", {})
+            ref = per["dram"]  # ratios against the dram run interleaved with this group
             for mode, s in per.items():
+                if mode == "dram":
+                    continue
                 if "error" in s:
                     rows.append([family, f"{budget}%", mode, "below smallest budget"] + [""] * 8)
                     continue
-                rows.append([family, f"{budget}%", mode, s["seconds"], s["seconds"] / base["seconds"],
-                             s["modeled_seconds"], s["modeled_seconds"] / base["modeled_seconds"],
+                rows.append([family, f"{budget}%", mode, s["seconds"], s["seconds"] / ref["seconds"],
+                             s["modeled_seconds"], s["modeled_seconds"] / ref["modeled_seconds"],
                              s["pm_written"] / MiB, s["pm_read"] / MiB,
                              ratio(s["pm_written"], two.get("pm_written", 0)),
                              ratio(s["pm_read"], two.get("pm_read", 0)),
@@ -119,12 +142,12 @@ def main(argv=None) -> int:
                 checks.append([f"caLM PM writes / 2lm, {family} {budget}%", f"{r:.2f}", "<= 0.35", C.verdict(r <= 0.35)])
         full = runs["100%"].get("caLM", {})
         if "seconds" in full:
-            r = full["seconds"] / base["seconds"]
+            r = full["seconds"] / runs["100%"]["dram"]["seconds"]
             checks.append([f"caLM@100% time / dram, {family}", f"{r:.2f}", "<= 1.10", C.verdict(r <= 1.10)])
         quarter = {m: s for m, s in runs["25%"].items() if m in CA_MODES and "modeled_seconds" in s}
         if quarter:
             best = min(quarter, key=lambda m: quarter[m]["modeled_seconds"])
-            r = quarter[best]["modeled_seconds"] / base["modeled_seconds"]
+            r = quarter[best]["modeled_seconds"] / runs["25%"]["dram"]["modeled_seconds"]
             checks.append([f"best CA modeled@25% / dram, {family} ({best})", f"{r:.2f}", "<= 1.30", C.verdict(r <= 1.30)])
         losses = {m: s["losses"] for b in BUDGETS for m, s in runs[f"{b}%"].items() if "losses" in s}
         same = all(max(abs(a - b) for a, b in zip(ls, base["losses"])) <= 1e-5 * max(1.0, abs(base["losses"][0]))

@@ -13,10 +13,10 @@ from .graph import Node, Tape
 from .models import Model, build, densenet, resnet, vgg
 from .modes import CA_MODES, MODES, BudgetTooSmallError, make_manager, make_policy, parse_budget
 from .optim import SGD
-from .trainer import Config, Footprint, IterationRecord, RunResult, Trainer, measure_footprint, run_mode
+from .trainer import Config, Footprint, IterationRecord, RunResult, Session, Trainer, measure_footprint, run_mode
 
 __all__ = [
     "Annotations", "BudgetTooSmallError", "CA_MODES", "Config", "Executor", "Footprint", "IterationRecord",
-    "KernelStats", "MODES", "Model", "Node", "RunResult", "SGD", "Tape", "Trainer", "build", "densenet",
+    "KernelStats", "MODES", "Model", "Node", "RunResult", "SGD", "Session", "Tape", "Trainer", "build", "densenet",
     "make_manager", "make_policy", "measure_footprint", "parse_budget", "resnet", "run_mode", "vgg",
 ]

@@ -187,40 +187,68 @@ class RunResult:
                 "iterations": [asdict(r) for r in self.records]}
 
 
+class Session:
+    """One mode's manager (DRAM sized to the budget) and trainer; `step` trains one iteration and reports it.
+
+    Several sessions can live side by side, so a benchmark can interleave their
+    iterations and expose them to the same machine noise.
+    """
+
+    def __init__(self, cfg: Config, mode: str, budget: "str | int | float | None", fp: Footprint,
+                 data: Callable[[int], tuple] | None = None, pm_dir: str | None = None):
+        self.cfg, self.mode, self.fp = cfg, mode, fp
+        self.data = data or (lambda i: synthetic_batch(i, cfg.batch, cfg.image, cfg.channels, cfg.classes, cfg.seed))
+        if mode == "dram":
+            self.fast = _round_up(int(fp.footprint * 1.25) + (1 << 20))
+        else:
+            self.fast = parse_budget(budget, fp.footprint)
+            check_budget(self.fast, fp.min_budget, fp.footprint, cfg.label)
+        slow = int(1.3 * (fp.footprint + fp.allocated)) + MIN_PM
+        self.m = make_manager(mode, self.fast, slow, pm_dir)
+        self.trainer = Trainer(cfg, self.m)
+        self.records: list[IterationRecord] = []
+
+    def step(self, i: int) -> IterationRecord:
+        m, tr = self.m, self.trainer
+        batch = self.data(i)
+        m.telemetry_data.reset()
+        tr.ex.stats.reset()
+        t0 = time.perf_counter()
+        try:
+            loss = tr.step(*batch)
+        except OutOfMemoryError as e:
+            raise BudgetTooSmallError(f"{self.mode} ran out of memory with a fast budget of {format_size(self.fast)} "
+                                      f"(smallest that should work: {format_size(self.fp.min_budget)}): {e}") from e
+        rec = iteration_record(i, loss, time.perf_counter() - t0, m, tr.ex)
+        self.records.append(rec)
+        return rec
+
+    def close(self) -> RunResult:
+        """Check the manager's invariants, close the devices, and return the run's records."""
+        tele = self.m.telemetry()
+        self.m.check()
+        del self.trainer
+        self.m.close()
+        gc.collect()
+        return RunResult(self.mode, self.fast, self.fp, self.records, tele)
+
+
 def run_mode(cfg: Config, mode: str, budget: "str | int | float", iterations: int, fp: Footprint,
              data: Callable[[int], tuple] | None = None, pm_dir: str | None = None,
              on_iteration: Callable[[IterationRecord], None] | None = None,
              progress: Callable[[Iterator[int]], Iterator[int]] | None = None,
              after: Callable[[Trainer], None] | None = None) -> RunResult:
     """Train ``iterations`` steps in ``mode`` with a fast device of ``budget`` (``dram``: no budget)."""
-    data = data or (lambda i: synthetic_batch(i, cfg.batch, cfg.image, cfg.channels, cfg.classes, cfg.seed))
-    if mode == "dram":
-        fast = _round_up(int(fp.footprint * 1.25) + (1 << 20))
-    else:
-        fast = parse_budget(budget, fp.footprint)
-        check_budget(fast, fp.min_budget, fp.footprint, cfg.label)
-    slow = int(1.3 * (fp.footprint + fp.allocated)) + MIN_PM
-    records = []
-    with make_manager(mode, fast, slow, pm_dir) as m:
-        tr = Trainer(cfg, m)
-        its = range(iterations)
+    session = Session(cfg, mode, budget, fp, data, pm_dir)
+    its = range(iterations)
+    try:
         for i in (progress(its) if progress else its):
-            m.telemetry_data.reset()
-            tr.ex.stats.reset()
-            t0 = time.perf_counter()
-            try:
-                loss = tr.step(*data(i))
-            except OutOfMemoryError as e:
-                raise BudgetTooSmallError(f"{mode} ran out of memory with a fast budget of {format_size(fast)} "
-                                          f"(smallest that should work: {format_size(fp.min_budget)}): {e}") from e
-            rec = iteration_record(i, loss, time.perf_counter() - t0, m, tr.ex)
-            records.append(rec)
+            rec = session.step(i)
             if on_iteration:
                 on_iteration(rec)
-        tele = m.telemetry()
-        m.check()
         if after:
-            after(tr)
-        del tr
-        gc.collect()
-    return RunResult(mode, fast, fp, records, tele)
+            after(session.trainer)
+    except BaseException:
+        session.m.close()
+        raise
+    return session.close()
