@@ -31,8 +31,8 @@ from benchmarks import _common as C  # noqa: E402
 from cnn.modes import CA_MODES, MODES, BudgetTooSmallError  # noqa: E402
 from cnn.trainer import Config, Session, measure_footprint  # noqa: E402
 
-FULL = {"vgg": Config("vgg", 16, 16, 16, 32), "resnet": Config("resnet", 26, 8, 16, 32),
-        "densenet": Config("densenet", 29, 8, 16, 32)}
+FULL = {"vgg": Config("vgg", 28, 16, 16, 32), "resnet": Config("resnet", 50, 8, 16, 32),
+        "densenet": Config("densenet", 61, 8, 16, 32)}
 QUICK = {"vgg": Config("vgg", 8, 8, 8, 16), "resnet": Config("resnet", 14, 4, 8, 16),
          "densenet": Config("densenet", 13, 4, 8, 16)}
 BUDGETS = (100, 50, 25, 10)

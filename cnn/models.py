@@ -8,7 +8,7 @@ Depth counts weighted layers, as the model names do: VGG ``depth`` = convolution
 + 3 dense layers (VGG 16: 13 + 3; the dissertation's VGG 416 is the same pattern,
 much deeper); ResNet ``depth`` = 3 per bottleneck block + 2 (ResNet 50: blocks
 [3, 4, 6, 3]); DenseNet ``depth`` = 2 per dense layer + 5 (DenseNet 121: blocks
-[6, 12, 24, 16]).  Activations are NHWC float32.
+[6, 12, 24, 16]).  Other depths split the blocks in those proportions.  Activations are NHWC float32.
 """
 
 from __future__ import annotations
@@ -59,6 +59,25 @@ def _split(n: int, parts: int) -> list[int]:
     counts = [base] * parts
     for k in range(extra):
         counts[(parts - 2 - k) % parts if parts > 1 else 0] += 1
+    return counts
+
+
+def _proportional(n: int, weights: list[int]) -> list[int]:
+    """``n`` items over ``len(weights)`` groups in proportion to ``weights`` (largest remainders), each
+    group at least one when ``n`` allows; drops trailing groups when ``n`` is smaller than their count."""
+    parts = max(1, min(len(weights), n))
+    weights = weights[:parts]
+    total = sum(weights)
+    raw = [n * w / total for w in weights]
+    counts = [max(1, int(r)) for r in raw]
+    order = sorted(range(parts), key=lambda k: raw[k] - int(raw[k]), reverse=True)
+    k = 0
+    while sum(counts) < n:
+        counts[order[k % parts]] += 1
+        k += 1
+    while sum(counts) > n:
+        j = max(range(parts), key=lambda q: counts[q])
+        counts[j] -= 1
     return counts
 
 
@@ -136,7 +155,7 @@ def resnet(m: Manager, depth: int = 50, width: int = 16, image: int = 32, classe
     else:
         if depth < 5 or (depth - 2) % 3:
             raise ValueError(f"ResNet depth must be 3 * blocks + 2 (e.g. 11, 14, 50, 101), got {depth}")
-        blocks = _split((depth - 2) // 3, 4)
+        blocks = _proportional((depth - 2) // 3, [3, 4, 6, 3])
     b = _Builder(m, seed)
     stem = (b.conv(in_channels, width, name="stem"), b.bn(width, name="stem.bn"), b.new(ReLU()))
     stem_pool = b.new(MaxPool(2)) if image >= 64 else None
@@ -189,7 +208,7 @@ def densenet(m: Manager, depth: int = 121, width: int = 8, image: int = 32, clas
     else:
         if depth < 7 or (depth - 5) % 2:
             raise ValueError(f"DenseNet depth must be 2 * layers + 5 (e.g. 9, 13, 121), got {depth}")
-        blocks = _split((depth - 5) // 2, _stages_for(image, 4))
+        blocks = _proportional((depth - 5) // 2, [6, 12, 24, 16][:_stages_for(image, 4)])
     k = width
     b = _Builder(m, seed)
     stem = b.conv(in_channels, 2 * k, name="stem")

@@ -226,3 +226,25 @@ def test_digits_reach_90_percent_test_accuracy(tmp_path):
     run_mode(cfg, "caLM", "50%", 150, fp, lambda i: d.batch(i, 32),
              after=lambda tr: acc.setdefault("test", float((tr.predict(d.x_test) == d.y_test).mean())))
     assert acc["test"] >= 0.90, acc
+
+
+def test_depth_counts_weighted_layers_like_the_model_names(manager):
+    from cnn.layers import Conv2D, Dense
+
+    def weighted(model, skip_proj=True):
+        return sum(1 for layer in model.layers if isinstance(layer, (Conv2D, Dense))
+                   and not (skip_proj and layer.name.endswith(".proj")))
+
+    big = Manager(DRAM("64MiB"), PM(None, "16MiB"), policy=LRUPolicy())
+    try:
+        vgg416 = build("vgg", big, depth=416, width=1, image=32, classes=10)   # the dissertation's VGG 416
+        assert weighted(vgg416) == 416 and sum(vgg416.info["convs_per_stage"]) == 413
+        r50 = build("resnet", big, depth=50, width=1, image=32, classes=10)
+        assert r50.info["blocks"] == [3, 4, 6, 3] and weighted(r50) == 50
+        d121 = build("densenet", big, depth=121, width=1, image=32, classes=10)
+        assert d121.info["blocks"] == [6, 12, 24, 16] and weighted(d121) == 121
+        assert build("resnet", big, depth=26, width=1, image=32).info["blocks"] == [2, 2, 3, 1]
+    finally:
+        big.close()
+    with pytest.raises(ValueError, match="ResNet depth"):
+        build("resnet", manager, depth=12)
