@@ -20,6 +20,7 @@ Tests never assert on timings; this script reports them.
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import sys
@@ -67,9 +68,17 @@ def interleaved(cfg: Config, fp, budget: int, iterations: int, pm_dir) -> dict:
         except BudgetTooSmallError as e:
             out[mode] = {"error": str(e)}
     order = list(sessions)
-    for i in range(iterations):
-        for mode in (order if i % 2 == 0 else order[::-1]):
-            sessions[mode].step(i)
+    # Python's automatic cyclic collector would fire at allocation-count thresholds inside whichever
+    # session happens to run (a full collection over six sessions' objects takes ~0.1 s); pause it
+    # while timing and collect between rounds.  Policies that call the collector (2lm, ca0) still do.
+    gc.disable()
+    try:
+        for i in range(iterations):
+            for mode in (order if i % 2 == 0 else order[::-1]):
+                sessions[mode].step(i)
+            gc.collect()
+    finally:
+        gc.enable()
     for mode in order:
         out[mode] = summarise(sessions[mode].close())
     return {m: out[m] for m in MODES}
@@ -81,14 +90,14 @@ def ratio(a: float, b: float) -> float | str:
 
 def main(argv=None) -> int:
     p = C.parser(__doc__, "results/cnn.json")
-    p.add_argument("--iterations", type=int, default=None, help="iterations per run (default 3, quick 2)")
+    p.add_argument("--iterations", type=int, default=None, help="iterations per run (default 4, quick 2)")
     p.add_argument("--pm-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
                    help="directory for the PM files (default /dev/shm, so page-cache writeback to a disk does "
                         "not add noise to the measured copy times)")
     p.add_argument("--families", default="vgg,resnet,densenet", help="comma-separated subset of vgg,resnet,densenet")
     args = p.parse_args(argv)
     configs = QUICK if args.quick else FULL
-    iterations = args.iterations or (2 if args.quick else 3)
+    iterations = args.iterations or (2 if args.quick else 4)
     families = [f.strip() for f in args.families.split(",") if f.strip()]
     results: dict = {"environment": C.environment(), "quick": args.quick, "iterations": iterations, "families": {}}
     rows = []

@@ -8,8 +8,10 @@ softmax.  Convolution and dense backward kernels are written as ``jax.vjp`` of
 the forward function inside ``jit``: XLA drops the unused forward product, so
 they cost the two transposed products only.
 
-NHWC is the layout XLA's CPU convolutions run natively (NCHW gets transposed
-internally), so it is the faster choice on this machine.
+NHWC because it is not slower here: on this machine (2 cores, XLA CPU) a 3x3
+convolution of 16x16x16x64 activations took 3.3-5.0 ms forward in NHWC against
+4.8-8.6 ms in NCHW, with backward times within noise of each other (10-13 ms
+against 11.5-19.5 ms) over four runs.
 """
 
 from __future__ import annotations
