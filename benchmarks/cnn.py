@@ -14,6 +14,8 @@ Targets, from the dissertation's results:
   - caLM writes at most 0.35x the PM bytes of 2lm on the ResNet and DenseNet families;
   - caLM at a 100 % budget costs at most 10 % more time per iteration than dram;
   - at a 25 % budget the best CA mode's modeled time is within 1.3x of dram's.
+The time targets compare the fastest iteration of each run (the machine is
+shared; medians are printed too).
 
 Tests never assert on timings; this script reports them.
 """
@@ -48,6 +50,9 @@ def summarise(run) -> dict:
     return {
         "seconds": statistics.median(r.seconds for r in steady),
         "modeled_seconds": statistics.median(r.modeled_seconds for r in steady),
+        # the fastest iteration: least disturbed by other processes on a shared machine; the time targets use it
+        "best_seconds": min(r.seconds for r in steady),
+        "best_modeled_seconds": min(r.modeled_seconds for r in steady),
         "movement_modeled_seconds": statistics.median(r.modeled_movement_seconds for r in steady),
         "pm_written": last.dram_to_pm_bytes + last.kernel_slow_write_bytes,
         "pm_read": last.pm_to_dram_bytes + last.kernel_slow_read_bytes,
@@ -115,7 +120,7 @@ def main(argv=None) -> int:
             if base is None:  # the first group's dram run is the family's baseline row
                 base = per["dram"]
                 fam["runs"]["dram"] = base
-                rows.append([family, "-", "dram", base["seconds"], 1.0, base["modeled_seconds"], 1.0,
+                rows.append([family, "-", "dram", base["seconds"], base["best_seconds"], 1.0, base["modeled_seconds"], 1.0,
                              base["pm_written"] / MiB, base["pm_read"] / MiB, "-", "-", "-"])
             fam["runs"][f"{budget}%"] = per
             two = per.get("2lm", {})
@@ -124,18 +129,18 @@ def main(argv=None) -> int:
                 if mode == "dram":
                     continue
                 if "error" in s:
-                    rows.append([family, f"{budget}%", mode, "below smallest budget"] + [""] * 8)
+                    rows.append([family, f"{budget}%", mode, "below smallest budget"] + [""] * 9)
                     continue
-                rows.append([family, f"{budget}%", mode, s["seconds"], s["seconds"] / ref["seconds"],
+                rows.append([family, f"{budget}%", mode, s["seconds"], s["best_seconds"], s["seconds"] / ref["seconds"],
                              s["modeled_seconds"], s["modeled_seconds"] / ref["modeled_seconds"],
                              s["pm_written"] / MiB, s["pm_read"] / MiB,
                              ratio(s["pm_written"], two.get("pm_written", 0)),
                              ratio(s["pm_read"], two.get("pm_read", 0)),
                              f"{s['peak_fast'] / MiB:.2f}/{s['fast_capacity'] / MiB:.2f}"])
             print(f"  {family} at {budget}% done ({time.perf_counter() - t_start:.0f} s)", flush=True)
-    C.print_table("CNN training per iteration (time: median after the first; bytes: last iteration; "
+    C.print_table("CNN training per iteration (time: median after the first, best: fastest; bytes: last iteration; "
                   "PM bytes = manager copies + kernel operands on PM)",
-                  ["family", "budget", "mode", "time s", "x dram", "modeled s", "x dram", "PM wr MiB", "PM rd MiB",
+                  ["family", "budget", "mode", "time s", "best s", "x dram", "modeled s", "x dram", "PM wr MiB", "PM rd MiB",
                    "wr x 2lm", "rd x 2lm", "peak/cap MiB"], rows)
 
     # ---------------------------------------------------------------- targets
@@ -151,12 +156,12 @@ def main(argv=None) -> int:
                 checks.append([f"caLM PM writes / 2lm, {family} {budget}%", f"{r:.2f}", "<= 0.35", C.verdict(r <= 0.35)])
         full = runs["100%"].get("caLM", {})
         if "seconds" in full:
-            r = full["seconds"] / runs["100%"]["dram"]["seconds"]
+            r = full["best_seconds"] / runs["100%"]["dram"]["best_seconds"]
             checks.append([f"caLM@100% time / dram, {family}", f"{r:.2f}", "<= 1.10", C.verdict(r <= 1.10)])
         quarter = {m: s for m, s in runs["25%"].items() if m in CA_MODES and "modeled_seconds" in s}
         if quarter:
-            best = min(quarter, key=lambda m: quarter[m]["modeled_seconds"])
-            r = quarter[best]["modeled_seconds"] / runs["25%"]["dram"]["modeled_seconds"]
+            best = min(quarter, key=lambda m: quarter[m]["best_modeled_seconds"])
+            r = quarter[best]["best_modeled_seconds"] / runs["25%"]["dram"]["best_modeled_seconds"]
             checks.append([f"best CA modeled@25% / dram, {family} ({best})", f"{r:.2f}", "<= 1.30", C.verdict(r <= 1.30)])
         losses = {m: s["losses"] for b in BUDGETS for m, s in runs[f"{b}%"].items() if "losses" in s}
         same = all(max(abs(a - b) for a, b in zip(ls, base["losses"])) <= 1e-5 * max(1.0, abs(base["losses"][0]))

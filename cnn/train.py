@@ -43,7 +43,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fast-budget", default="25%",
                    help="fast memory (DRAM) budget: a fraction of the measured footprint ('25%%') or a size "
                         "('64MiB', bytes); ignored by mode dram (default 25%%)")
-    p.add_argument("--lr", type=float, default=None, help="learning rate (default 0.01, digits 0.1)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default 0.01, digits 0.05)")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (0 for plain SGD)")
     p.add_argument("--granularity", choices=("layer", "block"), default="layer",
                    help="cleanup after each layer's backward, or after each residual/dense block's")
@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .data import load_digits
         digits = load_digits(seed=args.seed)
         cfg = Config(args.model, args.depth, args.width, args.batch, 8, digits.classes, 1,
-                     args.lr if args.lr is not None else 0.1, args.momentum, args.seed, args.granularity)
+                     args.lr if args.lr is not None else 0.05, args.momentum, args.seed, args.granularity)
         data = lambda i: digits.batch(i, args.batch, args.seed)  # noqa: E731
     else:
         cfg = Config(args.model, args.depth, args.width, args.batch, args.image, args.classes, 3,
