@@ -95,14 +95,14 @@ def ratio(a: float, b: float) -> float | str:
 
 def main(argv=None) -> int:
     p = C.parser(__doc__, "results/cnn.json")
-    p.add_argument("--iterations", type=int, default=None, help="iterations per run (default 4, quick 2)")
+    p.add_argument("--iterations", type=int, default=None, help="iterations per run (default 5, quick 2)")
     p.add_argument("--pm-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
                    help="directory for the PM files (default /dev/shm, so page-cache writeback to a disk does "
                         "not add noise to the measured copy times)")
     p.add_argument("--families", default="vgg,resnet,densenet", help="comma-separated subset of vgg,resnet,densenet")
     args = p.parse_args(argv)
     configs = QUICK if args.quick else FULL
-    iterations = args.iterations or (2 if args.quick else 4)
+    iterations = args.iterations or (2 if args.quick else 5)
     families = [f.strip() for f in args.families.split(",") if f.strip()]
     results: dict = {"environment": C.environment(), "quick": args.quick, "iterations": iterations, "families": {}}
     rows = []
