@@ -1,0 +1,190 @@
+"""Jitted JAX kernels: one forward and one backward function per layer kind (NHWC activations, HWIO filters).
+
+Every kernel is a pure function of the arrays it is given, so the caller can
+hand it zero-copy views of CachedArrays and copy its outputs into regions the
+policy chose.  Backward kernels take the saved activations explicitly (no
+closures) and recompute only what is cheap: element-wise masks, window maxima,
+softmax.  Convolution and dense backward kernels are written as ``jax.vjp`` of
+the forward function inside ``jit``: XLA drops the unused forward product, so
+they cost the two transposed products only.
+
+NHWC because it is not slower here: on this machine (2 cores, XLA CPU) a 3x3
+convolution of 16x16x16x64 activations took 3.3-5.0 ms forward in NHWC against
+4.8-8.6 ms in NCHW, with backward times within noise of each other (10-13 ms
+against 11.5-19.5 ms) over four runs.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_DN = ("NHWC", "HWIO", "NHWC")
+EPS = 1e-5
+
+
+# ---------------------------------------------------------------- convolution
+def _conv(x, w, stride: int, pad: int):
+    return lax.conv_general_dilated(x, w, (stride, stride), [(pad, pad), (pad, pad)], dimension_numbers=_DN,
+                                    precision=lax.Precision.HIGHEST)
+
+
+@partial(jax.jit, static_argnames=("stride", "pad"))
+def conv_fwd(x, w, *, stride: int, pad: int):
+    return _conv(x, w, stride, pad)
+
+
+@partial(jax.jit, static_argnames=("stride", "pad"))
+def conv_bwd(dy, x, w, *, stride: int, pad: int):
+    """(dx, dw) of the convolution."""
+    _, pull = jax.vjp(lambda a, b: _conv(a, b, stride, pad), x, w)
+    return pull(dy)
+
+
+@partial(jax.jit, static_argnames=("stride", "pad"))
+def conv_bwd_weights(dy, x, w, *, stride: int, pad: int):
+    """dw only: for a convolution whose input needs no gradient (the network input)."""
+    _, pull = jax.vjp(lambda b: _conv(x, b, stride, pad), w)
+    return pull(dy)[0]
+
+
+# ---------------------------------------------------------------- dense
+@jax.jit
+def dense_fwd(x, w, b):
+    return jnp.dot(x, w, precision=lax.Precision.HIGHEST) + b
+
+
+@jax.jit
+def dense_bwd(dy, x, w):
+    """(dx, dw, db)."""
+    dx = jnp.dot(dy, w.T, precision=lax.Precision.HIGHEST)
+    dw = jnp.dot(x.T, dy, precision=lax.Precision.HIGHEST)
+    return dx, dw, dy.sum(axis=0)
+
+
+# ---------------------------------------------------------------- batch normalisation (training statistics)
+@jax.jit
+def bn_fwd(x, gamma, beta):
+    """(y, mean, rstd): normalise over N, H, W with batch statistics; mean and rstd are saved for backward."""
+    mean = x.mean(axis=(0, 1, 2))
+    var = jnp.square(x - mean).mean(axis=(0, 1, 2))
+    rstd = lax.rsqrt(var + EPS)
+    return (x - mean) * (rstd * gamma) + beta, mean, rstd
+
+
+@jax.jit
+def bn_bwd(dy, x, gamma, mean, rstd):
+    """(dx, dgamma, dbeta); xhat is recomputed element-wise from the saved input and statistics."""
+    n = x.shape[0] * x.shape[1] * x.shape[2]
+    xhat = (x - mean) * rstd
+    dbeta = dy.sum(axis=(0, 1, 2))
+    dgamma = (dy * xhat).sum(axis=(0, 1, 2))
+    dx = (gamma * rstd / n) * (n * dy - dbeta - xhat * dgamma)
+    return dx, dgamma, dbeta
+
+
+# ---------------------------------------------------------------- element-wise
+@jax.jit
+def relu_fwd(x):
+    return jnp.maximum(x, 0)
+
+
+@jax.jit
+def relu_bwd(dy, y):
+    return jnp.where(y > 0, dy, 0)
+
+
+@jax.jit
+def add_fwd(a, b):
+    return a + b
+
+
+# ---------------------------------------------------------------- pooling
+def _maxpool(x, k: int, s: int):
+    return lax.reduce_window(x, -jnp.inf, lax.max, (1, k, k, 1), (1, s, s, 1), "VALID")
+
+
+@partial(jax.jit, static_argnames=("k", "s"))
+def maxpool_fwd(x, *, k: int, s: int):
+    return _maxpool(x, k, s)
+
+
+@partial(jax.jit, static_argnames=("k", "s"))
+def maxpool_bwd(dy, x, *, k: int, s: int):
+    """Routes dy to the window maxima (the window maximum is recomputed from x: a cheap window op)."""
+    _, pull = jax.vjp(lambda a: _maxpool(a, k, s), x)
+    return pull(dy)[0]
+
+
+def _avgpool(x, k: int, s: int):
+    return lax.reduce_window(x, 0.0, lax.add, (1, k, k, 1), (1, s, s, 1), "VALID") / (k * k)
+
+
+@partial(jax.jit, static_argnames=("k", "s"))
+def avgpool_fwd(x, *, k: int, s: int):
+    return _avgpool(x, k, s)
+
+
+@partial(jax.jit, static_argnames=("k", "s", "shape"))
+def avgpool_bwd(dy, *, k: int, s: int, shape: tuple):
+    _, pull = jax.vjp(lambda a: _avgpool(a, k, s), jnp.zeros(shape, dy.dtype))
+    return pull(dy)[0]
+
+
+@jax.jit
+def gap_fwd(x):
+    """Global average pooling: (N, H, W, C) -> (N, C)."""
+    return x.mean(axis=(1, 2))
+
+
+@partial(jax.jit, static_argnames=("hw",))
+def gap_bwd(dy, *, hw: tuple):
+    h, w = hw
+    return jnp.broadcast_to(dy[:, None, None, :] / (h * w), (dy.shape[0], h, w, dy.shape[1]))
+
+
+# ---------------------------------------------------------------- concatenation (channels)
+@jax.jit
+def concat_fwd(*xs):
+    return jnp.concatenate(xs, axis=-1)
+
+
+@partial(jax.jit, static_argnames=("sizes",))
+def concat_bwd(dy, *, sizes: tuple):
+    bounds, start = [], 0
+    for c in sizes:
+        bounds.append((start, start + c))
+        start += c
+    return tuple(dy[..., a:b] for a, b in bounds)
+
+
+# ---------------------------------------------------------------- loss
+@jax.jit
+def xent_fwd(logits, labels):
+    """Mean softmax cross-entropy; labels are int32 class indices."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.take_along_axis(logp, labels[:, None], axis=-1).mean()
+
+
+@jax.jit
+def xent_bwd(logits, labels):
+    """d(loss)/d(logits) = (softmax - onehot) / N, with the softmax recomputed from the saved logits."""
+    p = jax.nn.softmax(logits, axis=-1)
+    onehot = jax.nn.one_hot(labels, logits.shape[-1], dtype=logits.dtype)
+    return (p - onehot) / logits.shape[0]
+
+
+# ---------------------------------------------------------------- optimiser and gradient accumulation
+@jax.jit
+def sgd_step(w, g, lr):
+    return w - lr * g
+
+
+@jax.jit
+def sgd_momentum_step(w, g, v, lr, mu):
+    """(w', v') with v' = mu v + g and w' = w - lr v' (PyTorch's formulation)."""
+    v = mu * v + g
+    return w - lr * v, v

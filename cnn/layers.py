@@ -1,0 +1,202 @@
+"""Layers: parameters held as CachedArrays, forward and backward passes that only call kernels.
+
+A layer's ``forward(ex, *xs)`` returns ``(y, saved)``: the output CachedArray and
+the tuple of CachedArrays (and plain shapes) the backward pass needs (the saved activations are
+ordinary CachedArrays, so the manager sees and can move every one of them; no
+tensor hides in a JAX closure).  ``backward(ex, dy, saved, need)`` returns
+``(dxs, dparams)``: one gradient per input (None where ``need`` is False or
+the input is not differentiable) and one per parameter.
+
+Layers know nothing of memory management: the annotations of `cnn.annotate`
+wrap these calls (Listing 4.6), so the maths here stays plain.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from cachedarrays import CachedArray, Manager
+
+from . import kernels as K
+from .execute import Executor
+
+Saved = tuple
+
+
+class Layer:
+    """Base class: no parameters; subclasses define `forward` and `backward`."""
+
+    params: tuple[CachedArray, ...] = ()
+    name = "layer"
+
+    def forward(self, ex: Executor, *xs: CachedArray) -> tuple[CachedArray, Saved]:
+        raise NotImplementedError
+
+    def backward(self, ex: Executor, dy: CachedArray, saved: Saved,
+                 need: Sequence[bool]) -> tuple[tuple, tuple]:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name})"
+
+
+def _param(m: Manager, value: np.ndarray) -> CachedArray:
+    return CachedArray(np.ascontiguousarray(value, dtype=np.float32), m)
+
+
+class Conv2D(Layer):
+    """k x k convolution, NHWC input, HWIO filter, no bias (a batch norm usually follows)."""
+
+    def __init__(self, m: Manager, rng: np.random.Generator, cin: int, cout: int, k: int = 3, stride: int = 1,
+                 pad: int | None = None, name: str = "conv"):
+        self.k, self.stride, self.pad = k, stride, (k // 2 if pad is None else pad)
+        self.cin, self.cout, self.name = cin, cout, name
+        w = rng.standard_normal((k, k, cin, cout), dtype=np.float32) * math.sqrt(2.0 / (k * k * cin))
+        self.params = (_param(m, w),)
+
+    def forward(self, ex, x):
+        (y,) = ex.call(K.conv_fwd, (x, self.params[0]), stride=self.stride, pad=self.pad)
+        return y, (x,)
+
+    def backward(self, ex, dy, saved, need):
+        (x,), (w,) = saved, self.params
+        if need[0]:
+            dx, dw = ex.call(K.conv_bwd, (dy, x, w), stride=self.stride, pad=self.pad)
+            return (dx,), (dw,)
+        (dw,) = ex.call(K.conv_bwd_weights, (dy, x, w), stride=self.stride, pad=self.pad)
+        return (None,), (dw,)
+
+
+class Dense(Layer):
+    """y = x W + b for x of shape (N, D)."""
+
+    def __init__(self, m: Manager, rng: np.random.Generator, din: int, dout: int, name: str = "dense"):
+        self.name = name
+        w = rng.standard_normal((din, dout), dtype=np.float32) * math.sqrt(1.0 / din)
+        self.params = (_param(m, w), _param(m, np.zeros(dout, np.float32)))
+
+    def forward(self, ex, x):
+        (y,) = ex.call(K.dense_fwd, (x, *self.params))
+        return y, (x,)
+
+    def backward(self, ex, dy, saved, need):
+        dx, dw, db = ex.call(K.dense_bwd, (dy, saved[0], self.params[0]))
+        return (dx,), (dw, db)
+
+
+class BatchNorm(Layer):
+    """Batch normalisation over N, H, W with batch statistics (saved: input, mean, 1/std)."""
+
+    def __init__(self, m: Manager, channels: int, name: str = "bn"):
+        self.name = name
+        self.params = (_param(m, np.ones(channels, np.float32)), _param(m, np.zeros(channels, np.float32)))
+
+    def forward(self, ex, x):
+        y, mean, rstd = ex.call(K.bn_fwd, (x, *self.params))
+        return y, (x, mean, rstd)
+
+    def backward(self, ex, dy, saved, need):
+        x, mean, rstd = saved
+        dx, dgamma, dbeta = ex.call(K.bn_bwd, (dy, x, self.params[0], mean, rstd))
+        return (dx,), (dgamma, dbeta)
+
+
+class ReLU(Layer):
+    """max(x, 0); saves its output, whose sign is the backward mask (the next layer saves it anyway)."""
+
+    name = "relu"
+
+    def forward(self, ex, x):
+        (y,) = ex.call(K.relu_fwd, (x,))
+        return y, (y,)
+
+    def backward(self, ex, dy, saved, need):
+        (dx,) = ex.call(K.relu_bwd, (dy, saved[0]))
+        return (dx,), ()
+
+
+class MaxPool(Layer):
+    """k x k max pooling with stride s (saved: the input; the maxima are recomputed in backward)."""
+
+    def __init__(self, k: int = 2, s: int | None = None, name: str = "maxpool"):
+        self.k, self.s, self.name = k, (k if s is None else s), name
+
+    def forward(self, ex, x):
+        (y,) = ex.call(K.maxpool_fwd, (x,), k=self.k, s=self.s)
+        return y, (x,)
+
+    def backward(self, ex, dy, saved, need):
+        (dx,) = ex.call(K.maxpool_bwd, (dy, saved[0]), k=self.k, s=self.s)
+        return (dx,), ()
+
+
+class AvgPool(Layer):
+    """k x k average pooling with stride s (saves only the input shape)."""
+
+    def __init__(self, k: int = 2, s: int | None = None, name: str = "avgpool"):
+        self.k, self.s, self.name = k, (k if s is None else s), name
+
+    def forward(self, ex, x):
+        (y,) = ex.call(K.avgpool_fwd, (x,), k=self.k, s=self.s)
+        return y, (tuple(x.shape),)
+
+    def backward(self, ex, dy, saved, need):
+        (dx,) = ex.call(K.avgpool_bwd, (dy,), k=self.k, s=self.s, shape=saved[0])
+        return (dx,), ()
+
+
+class GlobalAvgPool(Layer):
+    """(N, H, W, C) -> (N, C) mean over the spatial axes."""
+
+    name = "gap"
+
+    def forward(self, ex, x):
+        (y,) = ex.call(K.gap_fwd, (x,))
+        return y, ((x.shape[1], x.shape[2]),)
+
+    def backward(self, ex, dy, saved, need):
+        (dx,) = ex.call(K.gap_bwd, (dy,), hw=saved[0])
+        return (dx,), ()
+
+
+class Concat(Layer):
+    """Concatenation along channels (DenseNet); backward slices dy."""
+
+    name = "concat"
+
+    def forward(self, ex, *xs):
+        (y,) = ex.call(K.concat_fwd, xs)
+        return y, (tuple(x.shape[-1] for x in xs),)
+
+    def backward(self, ex, dy, saved, need):
+        return ex.call(K.concat_bwd, (dy,), sizes=saved[0]), ()
+
+
+class Add(Layer):
+    """Residual addition; the gradient of both inputs is dy itself (shared, not copied)."""
+
+    name = "add"
+
+    def forward(self, ex, a, b):
+        (y,) = ex.call(K.add_fwd, (a, b))
+        return y, ()
+
+    def backward(self, ex, dy, saved, need):
+        return (dy, dy), ()
+
+
+class SoftmaxCrossEntropy(Layer):
+    """Mean cross-entropy of logits (N, classes) against int32 labels (N,); output is a 0-d loss."""
+
+    name = "xent"
+
+    def forward(self, ex, logits, labels):
+        (loss,) = ex.call(K.xent_fwd, (logits, labels))
+        return loss, (logits, labels)
+
+    def backward(self, ex, dy, saved, need):
+        (dlogits,) = ex.call(K.xent_bwd, saved)
+        return (dlogits, None), ()

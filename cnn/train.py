@@ -1,0 +1,145 @@
+"""Command line: train a CNN under a fast-memory budget in one or more operating modes and report traffic.
+
+Example::
+
+    python -m cnn.train --model resnet --depth 50 --batch 32 --image 64 --iterations 5 \\
+        --mode caLM --fast-budget 25% --report out.json --plot figs/resnet
+
+The footprint is measured first by one unconstrained (``dram``) iteration; the
+budget is a fraction of it (``25%``) or a size (``64MiB``, bytes).  Each mode
+then prints, per iteration: the loss, the time, the bytes copied DRAM->PM and
+PM->DRAM, the peak fast-device use against its capacity (the budget), and the
+modeled movement time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Sequence
+
+from cachedarrays import format_size
+
+from .modes import MODES, BudgetTooSmallError
+from .trainer import Config, IterationRecord, RunResult, measure_footprint, run_mode
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m cnn.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=("vgg", "resnet", "densenet"), default="resnet", help="model family")
+    p.add_argument("--depth", type=int, default=50,
+                   help="weighted layers: VGG convs+3, ResNet 3*blocks+2 (50, 101, 152, 200 standard), "
+                        "DenseNet 2*layers+5 (121, 169, 201, 264 standard)")
+    p.add_argument("--width", type=int, default=16, help="base channels (DenseNet: growth rate)")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--image", type=int, default=64, help="image height and width (digits: 8)")
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--iterations", type=int, default=5)
+    p.add_argument("--mode", default="caLM",
+                   help=f"one or more of {', '.join(MODES)} separated by commas, or 'all' (default caLM)")
+    p.add_argument("--fast-budget", default="25%",
+                   help="fast memory (DRAM) budget: a fraction of the measured footprint ('25%%') or a size "
+                        "('64MiB', bytes); ignored by mode dram (default 25%%)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default 0.01, digits 0.05)")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (0 for plain SGD)")
+    p.add_argument("--granularity", choices=("layer", "block"), default="layer",
+                   help="cleanup after each layer's backward, or after each residual/dense block's")
+    p.add_argument("--data", choices=("synthetic", "digits"), default="synthetic",
+                   help="synthetic normal inputs (default) or the 8x8 digits (needs scikit-learn); "
+                        "digits prints the test accuracy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pm-dir", default=None, help="directory for the PM file (default: a temporary directory)")
+    p.add_argument("--report", default=None, help="write per-iteration records of every mode as JSON here")
+    p.add_argument("--plot", default=None, metavar="PREFIX",
+                   help="draw PREFIX-occupancy-MODE.png (device use over the last iteration) and "
+                        "PREFIX-bytes.png (bytes moved per mode); needs matplotlib")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    modes = list(MODES) if args.mode == "all" else [m.strip() for m in args.mode.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        p.error(f"unknown mode(s) {bad}; choose from {', '.join(MODES)} or 'all'")
+    args.modes = modes
+    return args
+
+
+def describe(rec: IterationRecord) -> str:
+    """One line per iteration, as the script prints it."""
+    return (f"  iter {rec.iteration:3d}  loss {rec.loss:8.5f}  time {rec.seconds:7.3f} s  "
+            f"DRAM->PM {format_size(rec.dram_to_pm_bytes):>10}  PM->DRAM {format_size(rec.pm_to_dram_bytes):>10}  "
+            f"peak fast {format_size(rec.peak_fast_bytes):>10} / {format_size(rec.fast_capacity):<10}  "
+            f"modeled movement {1e3 * rec.modeled_movement_seconds:8.2f} ms")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    digits = None
+    if args.data == "digits":
+        from .data import load_digits
+        digits = load_digits(seed=args.seed)
+        cfg = Config(args.model, args.depth, args.width, args.batch, 8, digits.classes, 1,
+                     args.lr if args.lr is not None else 0.05, args.momentum, args.seed, args.granularity)
+        data = lambda i: digits.batch(i, args.batch, args.seed)  # noqa: E731
+    else:
+        cfg = Config(args.model, args.depth, args.width, args.batch, args.image, args.classes, 3,
+                     args.lr if args.lr is not None else 0.01, args.momentum, args.seed, args.granularity)
+        data = None
+    print(f"model {cfg.label}; measuring the footprint with one unconstrained iteration ...", flush=True)
+    fp = measure_footprint(cfg, data, args.pm_dir)
+    print(f"footprint {format_size(fp.footprint)} (weights and optimiser state {format_size(fp.persistent)}, "
+          f"{format_size(fp.allocated)} allocated per iteration); smallest budget that works "
+          f"{format_size(fp.min_budget)} ({fp.min_budget_kernel})", flush=True)
+    progress = None
+    if not args.no_progress:
+        from tqdm import tqdm
+        progress = lambda it: tqdm(it, desc="iterations", leave=False, file=sys.stderr)  # noqa: E731
+        write = tqdm.write
+    else:
+        write = print
+    results: dict[str, RunResult] = {}
+    accuracy: dict[str, float] = {}
+    for mode in args.modes:
+        budget = "no budget" if mode == "dram" else f"fast budget {args.fast_budget}"
+        print(f"\nmode {mode} ({budget})", flush=True)
+
+        def evaluate(tr, mode=mode):
+            if digits is not None:
+                accuracy[mode] = float((tr.predict(digits.x_test) == digits.y_test).mean())
+
+        try:
+            results[mode] = run_mode(cfg, mode, args.fast_budget, args.iterations, fp, data, args.pm_dir,
+                                     on_iteration=lambda r: write(describe(r)), progress=progress, after=evaluate)
+        except BudgetTooSmallError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if mode in accuracy:
+            print(f"  test accuracy {100 * accuracy[mode]:.1f}% on {len(digits.x_test)} digits")
+    if args.report:
+        payload = {"config": vars(cfg), "fast_budget": args.fast_budget,
+                   "modes": {k: r.as_dict() for k, r in results.items()}}
+        if accuracy:
+            payload["test_accuracy"] = accuracy
+        directory = os.path.dirname(args.report)
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+        with open(args.report, "w") as f:
+            json.dump(payload, f, indent=2)
+        print(f"\nwrote {args.report}")
+    if args.plot:
+        from cachedarrays.plot import plot_bytes_moved, plot_occupancy
+        directory = os.path.dirname(args.plot)
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+        for mode, r in results.items():
+            print("wrote", plot_occupancy(r.telemetry, f"{args.plot}-occupancy-{mode}.png",
+                                          f"{cfg.label}: {mode}, one iteration"))
+        print("wrote", plot_bytes_moved({m: r.telemetry for m, r in results.items()}, f"{args.plot}-bytes.png",
+                                        f"{cfg.label}: bytes moved in the last iteration"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

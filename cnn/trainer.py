@@ -1,0 +1,254 @@
+"""Training loop, footprint measurement and per-iteration traffic reports for one operating mode.
+
+`measure_footprint` runs one ``dram``-mode iteration on a fast device big
+enough for everything and records the fast high-water mark (the footprint),
+the bytes allocated in an iteration, and the largest kernel working set (the
+smallest budget that works).  `run_mode` then sizes the DRAM device to the
+budget, trains, and returns one record per iteration.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+
+from cachedarrays import CachedArray, Manager, OutOfMemoryError, format_size
+
+from .annotate import Annotations
+from .data import synthetic_batch
+from .execute import Executor
+from .graph import Tape, plan_last_uses
+from .layers import SoftmaxCrossEntropy
+from .models import Model, build
+from .modes import MIN_PM, BudgetTooSmallError, check_budget, make_manager, parse_budget
+from .optim import SGD
+
+
+@dataclass
+class Config:
+    """What to train: model family and shape, batch, optimiser, annotation granularity, data seed."""
+
+    family: str = "resnet"
+    depth: int = 50
+    width: int = 16
+    batch: int = 32
+    image: int = 64
+    classes: int = 10
+    channels: int = 3
+    lr: float = 0.01
+    momentum: float = 0.9
+    seed: int = 0
+    granularity: str = "layer"
+
+    @property
+    def label(self) -> str:
+        return f"{self.family}{self.depth} (width {self.width}, batch {self.batch}, image {self.image})"
+
+
+class Trainer:
+    """A model, its optimiser and the annotated executor on one manager."""
+
+    def __init__(self, cfg: Config, manager: Manager):
+        self.cfg = cfg
+        self.m = manager
+        self.ex = Executor(manager)
+        self.ann = Annotations(manager, granularity=cfg.granularity)
+        self.model: Model = build(cfg.family, manager, depth=cfg.depth, width=cfg.width, image=cfg.image,
+                                  classes=cfg.classes, in_channels=cfg.channels, seed=cfg.seed)
+        self.opt = SGD(self.model.params, cfg.lr, cfg.momentum)
+        self.loss_layer = SoftmaxCrossEntropy()
+        self.plan = plan_last_uses(self.model.forward, self.loss_layer)
+        self.m.collect()
+
+    def step(self, x_np: np.ndarray, y_np: np.ndarray) -> float:
+        """One training iteration (forward, backward, SGD); returns the loss before the update."""
+        x = CachedArray(x_np, self.m)
+        y = CachedArray(y_np.astype(np.int32), self.m)
+        tape = Tape(self.ex, self.ann, self.plan)
+        loss = tape(self.loss_layer, self.model.forward(tape, x), y)
+        value = float(loss)
+        pgrads = tape.backward(loss)
+        self.opt.step(self.ex, self.ann, pgrads)
+        self.ann.release_dead((x, y, loss), ())
+        # End of iteration: drop the tape (the dissertation ran the GC here) and free what died.
+        del tape, pgrads, loss, x, y
+        self.m.collect()
+        return value
+
+    def predict(self, x_np: np.ndarray, chunk: int | None = None) -> np.ndarray:
+        """Class predictions, ``chunk`` images at a time (default: the training batch, padded, so the
+        jitted kernels of training are reused); batch norm uses each chunk's statistics."""
+        chunk = chunk or self.cfg.batch
+        out = []
+        for i in range(0, len(x_np), chunk):
+            part = x_np[i:i + chunk]
+            n = len(part)
+            if n < chunk:  # pad with copies of the chunk, so the shape (and the statistics' scale) stays
+                part = np.concatenate([part] * (-(-chunk // n)))[:chunk]
+            x = CachedArray(np.ascontiguousarray(part), self.m)
+            tape = Tape(self.ex, self.ann)
+            logits = self.model.forward(tape, x)
+            out.append(np.asarray(logits)[:n].argmax(axis=-1))
+            self.ann.release_dead((tape.nodes, x), self.model.params)
+            del tape, logits, x
+            self.m.collect()
+        return np.concatenate(out)
+
+
+@dataclass
+class Footprint:
+    """What one unconstrained (``dram``) iteration needed."""
+
+    footprint: int            # fast high-water mark over the iteration (weights, state, live activations)
+    persistent: int           # weights and optimiser state
+    allocated: int            # bytes allocated during the iteration
+    min_budget: int           # the largest kernel working set: the smallest budget that works
+    min_budget_kernel: str
+    seconds: float
+
+
+def _estimate(cfg: Config) -> int:
+    act = cfg.batch * cfg.image * cfg.image * max(cfg.width, cfg.channels) * 4
+    return max(16 << 20, 6 * act * max(cfg.depth, 8))
+
+
+def measure_footprint(cfg: Config, data: Callable[[int], tuple] | None = None, pm_dir: str | None = None) -> Footprint:
+    """Run one ``dram`` iteration with a fast device that holds everything (doubled until it does)."""
+    data = data or (lambda i: synthetic_batch(i, cfg.batch, cfg.image, cfg.channels, cfg.classes, cfg.seed))
+    fast = _estimate(cfg)
+    while True:
+        with make_manager("dram", fast, MIN_PM, pm_dir) as m:
+            tr = Trainer(cfg, m)
+            persistent = m.fast.used_bytes
+            m.telemetry_data.reset()
+            t0 = time.perf_counter()
+            tr.step(*data(0))
+            seconds = time.perf_counter() - t0
+            tele = m.telemetry()
+            spilled = tele["counters"].get(f"allocations:{m.slow.name}", 0) or tele["bytes_moved"]
+            if not spilled:
+                return Footprint(tele["occupancy"][m.fast.name]["high_water"], persistent,
+                                 tele["counters"].get(f"bytes_allocated:{m.fast.name}", 0),
+                                 _round_up(tr.ex.stats.max_working_set), tr.ex.stats.max_working_set_kernel,
+                                 seconds)
+            del tr
+        fast *= 2
+
+
+def _round_up(n: int, page: int = 4096) -> int:
+    return -(-n // page) * page
+
+
+@dataclass
+class IterationRecord:
+    iteration: int
+    loss: float
+    seconds: float
+    dram_to_pm_bytes: int
+    pm_to_dram_bytes: int
+    peak_fast_bytes: int
+    fast_capacity: int
+    measured_movement_seconds: float
+    modeled_movement_seconds: float
+    modeled_seconds: float        # compute (measured time minus measured movement) + modeled movement
+    kernel_slow_read_bytes: int   # kernel operands read straight from the slow device
+    kernel_slow_write_bytes: int  # kernel outputs written straight to the slow device
+    counters: dict = field(default_factory=dict)
+
+
+def iteration_record(i: int, loss: float, seconds: float, m: Manager, ex: Executor) -> IterationRecord:
+    """Summarise the manager's telemetry and the executor's counters for one iteration."""
+    tele = m.telemetry()
+    moved = tele["bytes_moved"]
+    f, s = m.fast.name, m.slow.name
+    compute = max(0.0, seconds - tele["measured_movement_seconds"])
+    return IterationRecord(
+        i, loss, seconds, moved.get(f"{f}->{s}", 0), moved.get(f"{s}->{f}", 0),
+        tele["occupancy"][f]["high_water"], tele["occupancy"][f]["capacity"],
+        tele["measured_movement_seconds"], tele["modeled_movement_seconds"],
+        compute + tele["modeled_movement_seconds"], ex.stats.read_slow, ex.stats.written_slow,
+        dict(tele["counters"]))
+
+
+@dataclass
+class RunResult:
+    mode: str
+    budget: int
+    footprint: Footprint
+    records: list[IterationRecord]
+    telemetry: dict            # the manager's telemetry of the last iteration (with its timeline)
+
+    def as_dict(self) -> dict:
+        return {"mode": self.mode, "budget_bytes": self.budget, "footprint": asdict(self.footprint),
+                "iterations": [asdict(r) for r in self.records]}
+
+
+class Session:
+    """One mode's manager (DRAM sized to the budget) and trainer; `step` trains one iteration and reports it.
+
+    Several sessions can live side by side, so a benchmark can interleave their
+    iterations and expose them to the same machine noise.
+    """
+
+    def __init__(self, cfg: Config, mode: str, budget: "str | int | float | None", fp: Footprint,
+                 data: Callable[[int], tuple] | None = None, pm_dir: str | None = None):
+        self.cfg, self.mode, self.fp = cfg, mode, fp
+        self.data = data or (lambda i: synthetic_batch(i, cfg.batch, cfg.image, cfg.channels, cfg.classes, cfg.seed))
+        if mode == "dram":
+            self.fast = _round_up(int(fp.footprint * 1.25) + (1 << 20))
+        else:
+            self.fast = parse_budget(budget, fp.footprint)
+            check_budget(self.fast, fp.min_budget, fp.footprint, cfg.label)
+        slow = int(1.3 * (fp.footprint + fp.allocated)) + MIN_PM
+        self.m = make_manager(mode, self.fast, slow, pm_dir)
+        self.trainer = Trainer(cfg, self.m)
+        self.records: list[IterationRecord] = []
+
+    def step(self, i: int) -> IterationRecord:
+        m, tr = self.m, self.trainer
+        batch = self.data(i)
+        m.telemetry_data.reset()
+        tr.ex.stats.reset()
+        t0 = time.perf_counter()
+        try:
+            loss = tr.step(*batch)
+        except OutOfMemoryError as e:
+            raise BudgetTooSmallError(f"{self.mode} ran out of memory with a fast budget of {format_size(self.fast)} "
+                                      f"(smallest that should work: {format_size(self.fp.min_budget)}): {e}") from e
+        rec = iteration_record(i, loss, time.perf_counter() - t0, m, tr.ex)
+        self.records.append(rec)
+        return rec
+
+    def close(self) -> RunResult:
+        """Check the manager's invariants, close the devices, and return the run's records."""
+        tele = self.m.telemetry()
+        self.m.check()
+        del self.trainer
+        self.m.close()
+        gc.collect()
+        return RunResult(self.mode, self.fast, self.fp, self.records, tele)
+
+
+def run_mode(cfg: Config, mode: str, budget: "str | int | float", iterations: int, fp: Footprint,
+             data: Callable[[int], tuple] | None = None, pm_dir: str | None = None,
+             on_iteration: Callable[[IterationRecord], None] | None = None,
+             progress: Callable[[Iterator[int]], Iterator[int]] | None = None,
+             after: Callable[[Trainer], None] | None = None) -> RunResult:
+    """Train ``iterations`` steps in ``mode`` with a fast device of ``budget`` (``dram``: no budget)."""
+    session = Session(cfg, mode, budget, fp, data, pm_dir)
+    its = range(iterations)
+    try:
+        for i in (progress(its) if progress else its):
+            rec = session.step(i)
+            if on_iteration:
+                on_iteration(rec)
+        if after:
+            after(session.trainer)
+    except BaseException:
+        session.m.close()
+        raise
+    return session.close()

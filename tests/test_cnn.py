@@ -1,0 +1,250 @@
+"""CNN training under a fast-memory budget: kernels, gradients, modes, budgets, CLI and a real data set.
+
+Tiny models of each family keep JAX compile time small; shapes are shared
+across tests so the jitted kernels are reused.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cachedarrays import DRAM, PM, CachedArray, LRUPolicy, Manager, TwoLevelCachePolicy
+from cnn import kernels as K
+from cnn.annotate import Annotations
+from cnn.execute import Executor
+from cnn.graph import Tape
+from cnn.layers import SoftmaxCrossEntropy
+from cnn.models import build
+from cnn.modes import MODES, BudgetTooSmallError, make_policy, parse_budget
+from cnn.trainer import Config, Trainer, measure_footprint, run_mode
+
+TINY = {"vgg": Config("vgg", 5, 4, 4, 8), "resnet": Config("resnet", 11, 4, 4, 8),
+        "densenet": Config("densenet", 9, 4, 4, 8)}
+_FOOTPRINTS = {}
+
+
+def footprint(family):
+    if family not in _FOOTPRINTS:
+        _FOOTPRINTS[family] = measure_footprint(TINY[family])
+    return _FOOTPRINTS[family]
+
+
+@pytest.fixture
+def manager(tmp_path):
+    m = Manager(DRAM("8MiB"), PM(tmp_path, "16MiB"), policy=LRUPolicy())
+    yield m
+    m.check()
+    m.close()
+
+
+# ---------------------------------------------------------------- the kernel programming model
+def test_kernels_get_zero_copy_views_and_outputs_land_in_policy_regions(manager):
+    ex = Executor(manager)
+    x = CachedArray(np.arange(64, dtype=np.float32).reshape(4, 16), manager)
+    seen = []
+
+    def kernel(a):
+        seen.append(a.unsafe_buffer_pointer())
+        return a * 2
+
+    (y,) = ex.call(kernel, (x,))
+    assert seen == [manager.bytes(manager.primary(x.object)).ctypes.data]  # JAX read the region itself
+    assert isinstance(y, CachedArray) and y.manager is manager
+    np.testing.assert_array_equal(np.asarray(y), np.arange(64, dtype=np.float32).reshape(4, 16) * 2)
+    assert not manager.pinned(x.object) and not manager.pinned(y.object)  # views released
+    assert ex.stats.calls == 1 and ex.stats.read_fast == x.nbytes and ex.stats.written_fast == y.nbytes
+
+
+def test_saved_activations_are_cachedarrays_of_the_manager(manager):
+    model = build("resnet", manager, depth=11, width=4, image=8, classes=10)
+    ex = Executor(manager)
+    tape = Tape(ex, Annotations(manager))
+    x = CachedArray(np.random.default_rng(0).standard_normal((4, 8, 8, 3), dtype=np.float32), manager)
+    model.forward(tape, x)
+    assert len(tape.nodes) > 20
+    for node in tape.nodes:
+        assert isinstance(node.output, CachedArray)
+        for s in node.saved:
+            assert isinstance(s, (CachedArray, tuple)), (node.layer, s)
+            if isinstance(s, CachedArray):
+                assert s.manager is manager and s.object.alive
+
+
+class _JaxExec:
+    """Runs the same layer code on plain JAX values, with parameters substituted: a reference for jax.grad."""
+
+    def __init__(self, subst):
+        self.subst = subst
+
+    def call(self, kernel, inputs, *args, **static):
+        vals = [self.subst.get(x.object.id, None) if isinstance(x, CachedArray) else x for x in inputs]
+        out = kernel(*vals, *args, **static)
+        return out if isinstance(out, tuple) else (out,)
+
+
+class _JaxTape:
+    def __init__(self, ex):
+        self.ex = ex
+
+    def __call__(self, layer, *xs):
+        return layer.forward(self.ex, *xs)[0]
+
+    @contextmanager
+    def scope(self):
+        yield
+
+
+@pytest.mark.parametrize("family", ["vgg", "resnet", "densenet"])
+def test_backward_kernels_match_jax_autodiff(family, manager):
+    cfg = TINY[family]
+    model = build(family, manager, depth=cfg.depth, width=cfg.width, image=cfg.image, classes=10)
+    rng = np.random.default_rng(1)
+    xs = rng.standard_normal((4, 8, 8, 3), dtype=np.float32)
+    ys = rng.integers(0, 10, 4, dtype=np.int32)
+    x, y = CachedArray(xs, manager), CachedArray(ys, manager)
+    ex = Executor(manager)
+    tape = Tape(ex, Annotations(manager))
+    loss = tape(SoftmaxCrossEntropy(), model.forward(tape, x), y)
+    ours = {p.object.id: np.asarray(g) for p, g in tape.backward(loss)}
+    assert set(ours) == {p.object.id for p in model.params}
+
+    params = {p.object.id: jnp.asarray(np.asarray(p)) for p in model.params}
+
+    def reference(values):
+        subst = dict(values)
+        subst[x.object.id], subst[y.object.id] = jnp.asarray(xs), jnp.asarray(ys)
+        jt = _JaxTape(_JaxExec(subst))
+        logits = model.forward(jt, x)
+        return K.xent_fwd(logits, jnp.asarray(ys))
+
+    ref = jax.jit(jax.grad(reference))(params)
+    for pid, g in ours.items():
+        np.testing.assert_allclose(g, np.asarray(ref[pid]), rtol=2e-3, atol=2e-5)
+
+
+# ---------------------------------------------------------------- modes and budgets
+def test_modes_map_to_the_policies_of_table_4_7():
+    assert isinstance(make_policy("2lm"), TwoLevelCachePolicy)
+    flags = {m: (p.local_alloc, p.honor_frees, p.prefetch_hints) for m in MODES if m != "2lm"
+             for p in [make_policy(m)]}
+    assert flags == {"dram": (True, True, True), "ca0": (False, False, False), "caL": (True, False, False),
+                     "caLM": (True, True, False), "caLMP": (True, True, True)}
+    assert make_policy("ca0").insert_on_use and make_policy("2lm").collect_at == 0.8
+    with pytest.raises(ValueError, match="unknown mode"):
+        make_policy("fast")
+
+
+def test_parse_budget():
+    assert parse_budget("25%", 1000) == 250
+    assert parse_budget(0.5, 1000) == 500
+    assert parse_budget("1MiB", 1000) == 1 << 20
+    assert parse_budget("123456", 1000) == 123456
+
+
+@pytest.mark.parametrize("family", ["vgg", "resnet", "densenet"])
+def test_every_mode_matches_dram_loss_at_the_smallest_budget(family):
+    cfg, fp = TINY[family], footprint(family)
+    assert 0 < fp.min_budget < fp.footprint
+    base = [r.loss for r in run_mode(cfg, "dram", None, 2, fp).records]
+    assert np.isfinite(base).all()
+    for mode in MODES[1:]:
+        run = run_mode(cfg, mode, fp.min_budget, 2, fp)   # run_mode also runs m.check() at the end
+        np.testing.assert_allclose([r.loss for r in run.records], base, rtol=1e-6, err_msg=mode)
+        for r in run.records:
+            assert r.fast_capacity <= fp.min_budget and r.peak_fast_bytes <= r.fast_capacity
+            assert r.dram_to_pm_bytes > 0, f"{mode} at the smallest budget must evict something"
+
+
+def test_block_granularity_cleanup_gives_the_same_losses():
+    cfg, fp = TINY["densenet"], footprint("densenet")
+    base = [r.loss for r in run_mode(cfg, "caLM", "50%", 2, fp).records]
+    block = Config(**{**cfg.__dict__, "granularity": "block"})
+    run = run_mode(block, "caLM", "50%", 2, fp)
+    np.testing.assert_allclose([r.loss for r in run.records], base, rtol=1e-6)
+
+
+def test_too_small_budget_names_the_smallest_that_works():
+    cfg, fp = TINY["resnet"], footprint("resnet")
+    with pytest.raises(BudgetTooSmallError) as info:
+        run_mode(cfg, "caLM", fp.min_budget - 1, 1, fp)
+    assert f"{fp.min_budget} bytes" in str(info.value) and "smallest budget that works" in str(info.value)
+
+
+def test_dram_mode_moves_nothing_and_cleanup_shrinks_traffic():
+    cfg, fp = TINY["resnet"], footprint("resnet")
+    assert all(r.dram_to_pm_bytes == 0 and r.pm_to_dram_bytes == 0 for r in run_mode(cfg, "dram", None, 1, fp).records)
+    written = {m: run_mode(cfg, m, "30%", 2, fp).records[-1].dram_to_pm_bytes for m in ("2lm", "caL", "caLM")}
+    # frees and cleanup (M) avoid writing dead data back; 2LM writes back even dead dirty data
+    assert written["caLM"] < written["caL"] < written["2lm"], written
+    lm = run_mode(cfg, "caLM", "30%", 1, fp).records[0]
+    assert lm.counters.get("objects_freed", 0) > 50 and not lm.counters.get("frees_ignored")
+    l0 = run_mode(cfg, "caL", "30%", 1, fp).records[0]
+    assert l0.counters.get("frees_ignored", 0) > 50
+
+
+# ---------------------------------------------------------------- the script
+def test_cli_prints_iterations_writes_report_and_plots(tmp_path, capsys):
+    from cnn.train import main
+    out = tmp_path / "r.json"
+    rc = main(["--model", "vgg", "--depth", "5", "--width", "4", "--batch", "4", "--image", "8",
+               "--iterations", "2", "--mode", "dram,caLM", "--fast-budget", "50%", "--no-progress",
+               "--report", str(out), "--plot", str(tmp_path / "fig")])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert text.count("iter ") == 4 and "DRAM->PM" in text and "peak fast" in text and "modeled movement" in text
+    report = json.loads(out.read_text())
+    its = report["modes"]["caLM"]["iterations"]
+    assert len(its) == 2 and all(i["peak_fast_bytes"] <= i["fast_capacity"] for i in its)
+    assert report["modes"]["caLM"]["iterations"][0]["loss"] == pytest.approx(report["modes"]["dram"]["iterations"][0]["loss"])
+    for name in ("fig-occupancy-dram.png", "fig-occupancy-caLM.png", "fig-bytes.png"):
+        assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_cli_help_and_too_small_budget(capsys):
+    from cnn.train import main
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0 and "--fast-budget" in capsys.readouterr().out
+    rc = main(["--model", "vgg", "--depth", "5", "--width", "4", "--batch", "4", "--image", "8",
+               "--iterations", "1", "--mode", "caLM", "--fast-budget", "100", "--no-progress"])
+    assert rc == 2 and "smallest budget that works" in capsys.readouterr().err
+
+
+def test_digits_reach_90_percent_test_accuracy(tmp_path):
+    from cnn.data import load_digits
+    d = load_digits()
+    assert d.x_train.shape[1:] == (8, 8, 1) and len(d.x_test) > 300
+    cfg = Config("vgg", 6, 8, 32, 8, 10, 1, lr=0.05, momentum=0.9)
+    fp = measure_footprint(cfg, lambda i: d.batch(i, 32))
+    acc = {}
+    run_mode(cfg, "caLM", "50%", 150, fp, lambda i: d.batch(i, 32),
+             after=lambda tr: acc.setdefault("test", float((tr.predict(d.x_test) == d.y_test).mean())))
+    assert acc["test"] >= 0.90, acc
+
+
+def test_depth_counts_weighted_layers_like_the_model_names(manager):
+    from cnn.layers import Conv2D, Dense
+
+    def weighted(model, skip_proj=True):
+        return sum(1 for layer in model.layers if isinstance(layer, (Conv2D, Dense))
+                   and not (skip_proj and layer.name.endswith(".proj")))
+
+    big = Manager(DRAM("64MiB"), PM(None, "16MiB"), policy=LRUPolicy())
+    try:
+        vgg416 = build("vgg", big, depth=416, width=1, image=32, classes=10)   # the dissertation's VGG 416
+        assert weighted(vgg416) == 416 and sum(vgg416.info["convs_per_stage"]) == 413
+        r50 = build("resnet", big, depth=50, width=1, image=32, classes=10)
+        assert r50.info["blocks"] == [3, 4, 6, 3] and weighted(r50) == 50
+        d121 = build("densenet", big, depth=121, width=1, image=32, classes=10)
+        assert d121.info["blocks"] == [6, 12, 24, 16] and weighted(d121) == 121
+        assert build("resnet", big, depth=26, width=1, image=32).info["blocks"] == [2, 2, 3, 1]
+    finally:
+        big.close()
+    with pytest.raises(ValueError, match="ResNet depth"):
+        build("resnet", manager, depth=12)
