@@ -1,0 +1,98 @@
+"""Low-level numba intrinsics used by the embedding kernels.
+
+* ``prefetch(addr)``: ``llvm.prefetch`` (read, high locality) of a byte address; lets a kernel
+  start the memory access of a row it will need a few iterations later, which is what gives a
+  random-row gather its memory-level parallelism.
+* ``f32_bits`` / ``bits_f32``: bit casts between float32 and uint32 (bfloat16 conversion).
+* ``half_to_f32`` / ``f32_to_half``: IEEE half <-> float32 through LLVM ``fpext``/``fptrunc``
+  (numba has no float16 type; half data is stored as uint16 and converted here, F16C on x86).
+
+All of them are plain LLVM instructions, so functions that use them stay cacheable.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+_i8p = ir.IntType(8).as_pointer()
+
+
+@intrinsic
+def prefetch(typingctx, addr):
+    """Prefetch the cache line holding byte address ``addr`` (an integer) for reading."""
+    if not isinstance(addr, types.Integer):
+        return None
+    sig = types.void(addr)
+
+    def codegen(context, builder, signature, args):
+        ptr = builder.inttoptr(args[0], _i8p)
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [_i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        # rw=0 (read), locality=3 (keep in all levels), cache type=1 (data)
+        builder.call(fn, [ptr, i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def f32_bits(typingctx, x):
+    """Reinterpret a float32 as uint32."""
+    if x != types.float32:
+        return None
+    sig = types.uint32(x)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return sig, codegen
+
+
+@intrinsic
+def bits_f32(typingctx, x):
+    """Reinterpret the low 32 bits of an integer as float32."""
+    if not isinstance(x, types.Integer):
+        return None
+    sig = types.float32(x)
+
+    def codegen(context, builder, signature, args):
+        v = args[0]
+        if x.bitwidth > 32:
+            v = builder.trunc(v, ir.IntType(32))
+        elif x.bitwidth < 32:
+            v = builder.zext(v, ir.IntType(32))
+        return builder.bitcast(v, ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def half_to_f32(typingctx, x):
+    """Convert IEEE binary16 bits (uint16) to float32."""
+    if x != types.uint16:
+        return None
+    sig = types.float32(x)
+
+    def codegen(context, builder, signature, args):
+        h = builder.bitcast(args[0], ir.HalfType())
+        return builder.fpext(h, ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def f32_to_half(typingctx, x):
+    """Convert float32 to IEEE binary16 bits (uint16), rounding to nearest even."""
+    if x != types.float32:
+        return None
+    sig = types.uint16(x)
+
+    def codegen(context, builder, signature, args):
+        h = builder.fptrunc(args[0], ir.HalfType())
+        return builder.bitcast(h, ir.IntType(16))
+
+    return sig, codegen

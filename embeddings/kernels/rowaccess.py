@@ -1,0 +1,94 @@
+"""Row access inside kernels: the numba side of the table protocol's ``rows(context)``.
+
+Every kernel reads and writes rows through a *row source*, three arguments:
+
+* ``base``  – ``(nvectors, featuresize)`` C-contiguous storage (the table itself);
+* ``cache`` – ``(nslots, featuresize)`` storage of the same dtype (rows held elsewhere, e.g. in
+  DRAM while ``base`` lives in PM), or ``None``;
+* ``slots`` – per-row indirection, an int32 ``(nvectors,)`` array: ``slots[r] >= 0`` means row
+  ``r`` lives in ``cache[slots[r]]``, ``-1`` means it lives in ``base[r]``; or ``None`` for no
+  indirection (``SimpleEmbedding``). ``None`` is resolved at compile time, so a plain table
+  pays nothing for the indirection a caching table needs.
+
+This is the dissertation's ``rowpointer(A, i, context)`` expressed with arrays instead of raw
+pointers: a caching table (``CachedEmbeddings``) fills ``cache``/``slots`` in its ``rows(Forward,
+indices)`` hook (``access_and_cache``) and the unchanged kernels then read and update through the
+indirection.
+
+Feature-size specialisation: kernels take a ``spec`` tuple. ``len(spec)`` is part of the numba
+type (one entry per 8 floats, so the tuple stays small), so ``featuresize(spec, base)`` is a
+compile-time constant when ``spec`` is not empty (see :func:`spec_for`), and a run-time value
+when ``spec == ()``. Constant sizes let LLVM fully unroll the inner loops.
+"""
+
+from __future__ import annotations
+
+from numba import njit, types
+from numba.extending import overload
+
+from .intrinsics import prefetch
+
+LINE = 64
+SPECIALISED = (8, 16, 32, 64, 128, 256)
+_SPECS = {n: (False,) * (n // 8) for n in SPECIALISED}
+
+
+def spec_for(featuresize: int) -> tuple:
+    """The ``spec`` argument for a feature size: ``featuresize // 8`` entries, or ``()``."""
+    return _SPECS.get(int(featuresize), ())
+
+
+@njit(cache=True, inline="always")
+def featuresize(spec, base):
+    """Feature size: ``8 * len(spec)`` (a constant) when specialised, else the array's."""
+    if len(spec) > 0:
+        return 8 * len(spec)
+    return base.shape[1]
+
+
+def row_of(base, cache, slots, r):  # pragma: no cover - numba only
+    """The storage row holding logical row ``r``."""
+    raise NotImplementedError
+
+
+def row_address(base, cache, slots, r):  # pragma: no cover - numba only
+    """Byte address of the storage row holding logical row ``r``."""
+    raise NotImplementedError
+
+
+@overload(row_of, inline="always")
+def _row_of(base, cache, slots, r):
+    if isinstance(slots, types.NoneType):
+        return lambda base, cache, slots, r: base[r]
+
+    def impl(base, cache, slots, r):
+        s = slots[r]
+        if s >= 0:
+            return cache[s]
+        return base[r]
+
+    return impl
+
+
+@overload(row_address, inline="always")
+def _row_address(base, cache, slots, r):
+    if isinstance(slots, types.NoneType):
+        return lambda base, cache, slots, r: base.ctypes.data + r * base.strides[0]
+
+    def impl(base, cache, slots, r):
+        s = slots[r]
+        if s >= 0:
+            return cache.ctypes.data + s * cache.strides[0]
+        return base.ctypes.data + r * base.strides[0]
+
+    return impl
+
+
+@njit(cache=True, inline="always")
+def prefetch_row(base, cache, slots, r, nbytes):
+    """Prefetch every cache line of logical row ``r`` (``nbytes`` long)."""
+    addr = row_address(base, cache, slots, r)
+    first = addr & ~(LINE - 1)
+    last = (addr + nbytes - 1) & ~(LINE - 1)
+    for a in range(first, last + 1, LINE):
+        prefetch(a)

@@ -1,0 +1,68 @@
+"""Public lookup API: ``lookup`` allocates the output, ``lookup_into`` writes into a given array.
+
+``lookup_into`` accepts any float32 2-d view (e.g. ``out[:, j*F:(j+1)*F]`` of the DLRM
+interaction input), so the concatenation after an ensemble lookup costs nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import get_num_threads
+
+from .batch import Bags, make_bags
+from .kernels import lookup as K
+from .kernels.rowaccess import spec_for
+from .protocol import FORWARD, EmbeddingTable, RowSource
+
+
+def prefetch_distance(rowbytes: int) -> int:
+    """How many index positions ahead the kernels prefetch: about 2 KiB of rows in flight."""
+    return int(max(2, min(32, 2048 // max(rowbytes, 1))))
+
+
+def check_out(out: np.ndarray, nrows: int, featuresize: int, name: str) -> None:
+    """Refuse an output array of the wrong type or shape (before anything is written)."""
+    if not isinstance(out, np.ndarray) or out.dtype != np.float32:
+        raise TypeError(f"{name}: output must be a float32 numpy array")
+    if out.shape != (nrows, featuresize):
+        raise ValueError(f"{name}: output shape {out.shape}, expected {(nrows, featuresize)}")
+    if not out.flags.writeable:
+        raise ValueError(f"{name}: output is read-only")
+
+
+def run_lookup(out: np.ndarray, src: RowSource, bags: Bags) -> None:
+    """Dispatch one validated batch to the kernels."""
+    if bags.nout == 0 or out.shape[1] == 0:
+        return
+    dist = prefetch_distance(src.base.shape[1] * src.base.itemsize)
+    if bags.offsets is None:
+        K.gather(spec_for(out.shape[1]), out, src.base, src.cache, src.slots, src.codec, bags.indices, dist, get_num_threads())
+    else:
+        K.pooled(spec_for(out.shape[1]), out, src.base, src.cache, src.slots, src.codec, bags.indices, bags.offsets,
+                 bags.weights, bags.mean, dist, get_num_threads())
+
+
+def lookup_into(out: np.ndarray, table: EmbeddingTable, indices: object, offsets: object | None = None,
+                *, mode: str | None = None, weights: object | None = None) -> np.ndarray:
+    """Look rows up into ``out`` and return it.
+
+    * 1-d ``indices`` without ``offsets``: non-reducing, ``out[i] = table[indices[i]]``.
+    * 1-d ``indices`` with CSR ``offsets`` (nbags + 1 entries, first 0, last len(indices)), or
+      2-d ``(batch, k)`` indices: pooled, ``out[b] = sum/mean of the bag's rows``, optionally
+      scaled per index by ``weights`` (same shape as ``indices``). Empty bags give zero rows.
+    """
+    bags = make_bags(table.name, table.nvectors(), indices, offsets, weights, mode)
+    check_out(out, bags.nout, table.featuresize(), table.name)
+    with table.rows(FORWARD, bags.indices) as src:
+        run_lookup(out, src, bags)
+    return out
+
+
+def lookup(table: EmbeddingTable, indices: object, offsets: object | None = None,
+           *, mode: str | None = None, weights: object | None = None) -> np.ndarray:
+    """Like :func:`lookup_into` but allocates a new float32 ``(nout, featuresize)`` array."""
+    bags = make_bags(table.name, table.nvectors(), indices, offsets, weights, mode)
+    out = np.empty((bags.nout, table.featuresize()), np.float32)
+    with table.rows(FORWARD, bags.indices) as src:
+        run_lookup(out, src, bags)
+    return out

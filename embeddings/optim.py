@@ -1,0 +1,57 @@
+"""Optimizers applied inside the fused pullback kernels (no dense gradient ever exists).
+
+An optimizer is a small description (learning rate, epsilon) plus, for row-wise Adagrad, one
+float32 accumulator per table row, created on first use and kept per table.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .kernels import update as U
+from .protocol import EmbeddingTable
+
+
+@dataclass
+class SGD:
+    """Plain SGD: ``row -= lr * g``."""
+
+    lr: float
+
+    code = U.SGD
+    eps = 0.0
+
+    def state(self, table: EmbeddingTable) -> np.ndarray:
+        """SGD keeps no state (an empty array for the kernels)."""
+        return _NO_STATE
+
+
+@dataclass
+class RowwiseAdagrad:
+    """Row-wise Adagrad (as in DLRM/torchrec): one accumulator per row.
+
+    ``state[r] += mean(g_r**2)``; ``row_r -= lr * g_r / (sqrt(state[r]) + eps)``, where ``g_r`` is
+    the row's total gradient in this step.
+    """
+
+    lr: float
+    eps: float = 1e-8
+    initial_accumulator_value: float = 0.0
+    _states: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary, repr=False)
+
+    code = U.ADAGRAD
+
+    def state(self, table: EmbeddingTable) -> np.ndarray:
+        """The per-row accumulator of ``table`` (created on first use)."""
+        st = self._states.get(table)
+        if st is None:
+            st = np.full(table.nvectors(), self.initial_accumulator_value, np.float32)
+            self._states[table] = st
+        return st
+
+
+_NO_STATE = np.empty(0, np.float32)
+Optimizer = SGD | RowwiseAdagrad

@@ -1,0 +1,89 @@
+"""``SimpleEmbedding``: a row-major table over a numpy array or any array-like object.
+
+The array is obtained through one hook, :func:`_ndarray_view`; this is the only place that
+knows how to turn the user's ``data`` object into a numpy view. A CachedArray (which supports
+``__array__``) works through it today; the CachedArrays integration replaces the hook's body
+with ``cachedarrays.readable(x)`` / ``cachedarrays.writable(x)`` so the object is pinned while a
+kernel runs. The table keeps the original ``data`` object, never a cached view of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from .kernels import codecs
+from .protocol import Context, EmbeddingTable, RowSource
+
+try:  # ml_dtypes ships with jax; it is the usual home of numpy's bfloat16
+    from ml_dtypes import bfloat16 as _bfloat16
+except ImportError:  # pragma: no cover
+    _bfloat16 = None
+
+
+@contextmanager
+def _ndarray_view(data: Any, writable: bool) -> Iterator[np.ndarray]:
+    """Yield a numpy view of ``data`` for the duration of one kernel call (the integration hook)."""
+    if isinstance(data, np.ndarray):
+        yield data
+        return
+    view = data.__array__() if hasattr(data, "__array__") else np.asarray(data)
+    yield view
+
+
+def _codec_for(dtype: np.dtype) -> tuple[Any, np.dtype]:
+    """(codec marker, kernel storage dtype) for a table element type."""
+    if dtype == np.float32 or dtype == np.float64:
+        return codecs.NATIVE, dtype
+    if dtype == np.float16:
+        return codecs.F16, np.dtype(np.uint16)
+    if _bfloat16 is not None and dtype == _bfloat16:
+        return codecs.BF16, np.dtype(np.uint16)
+    raise TypeError(f"embedding tables store float32, float64, float16 or bfloat16, not {dtype}")
+
+
+def _storage(view: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    return view if view.dtype == dtype else view.view(dtype)
+
+
+class SimpleEmbedding(EmbeddingTable):
+    """A plain embedding table over a row-major ``(nvectors, featuresize)`` array."""
+
+    def __init__(self, data: Any, name: str = "table") -> None:
+        self.data = data
+        self.name = name
+        with _ndarray_view(data, writable=False) as view:
+            if view.ndim != 2:
+                raise ValueError(f"{name}: table must be 2-d (nvectors, featuresize), got {view.shape}")
+            self._codec, self._storage_dtype = _codec_for(view.dtype)
+            if not view.flags.c_contiguous:
+                raise ValueError(f"{name}: table must be row-major (C-contiguous)")
+            self._dtype = view.dtype
+            self._shape = view.shape
+        self.scratch: np.ndarray | None = None  # reindexing workspace, see pullback
+
+    def eltype(self) -> np.dtype:
+        return self._dtype
+
+    def featuresize(self) -> int:
+        return int(self._shape[1])
+
+    def nvectors(self) -> int:
+        return int(self._shape[0])
+
+    def example(self) -> Any:
+        return self.data
+
+    @contextmanager
+    def rows(self, context: Context | None, indices: np.ndarray | None = None,
+             writable: bool = False) -> Iterator[RowSource]:
+        with _ndarray_view(self.data, writable) as view:
+            if writable and not view.flags.writeable:
+                raise ValueError(f"{self.name}: table data is read-only")
+            yield RowSource(_storage(view, self._storage_dtype), None, None, self._codec, self._dtype)
+
+    def __repr__(self) -> str:
+        return f"SimpleEmbedding({self.name!r}, nvectors={self._shape[0]}, featuresize={self._shape[1]}, {self._dtype})"

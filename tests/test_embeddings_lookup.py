@@ -1,0 +1,148 @@
+"""Lookups against numpy references: every form, feature sizes 1..300, batches from 0, 1-2 threads."""
+
+import ml_dtypes
+import numba
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import embeddings as E
+
+FEATURES = st.one_of(st.integers(1, 300), st.sampled_from([8, 16, 32, 64, 128, 256]))
+
+
+def ref_pooled(table, idx, offsets, weights=None, mean=False):
+    """float64 numpy reference for a CSR pooled lookup."""
+    t = table.astype(np.float64)
+    out = np.zeros((len(offsets) - 1, t.shape[1]))
+    for b in range(len(offsets) - 1):
+        s, e = offsets[b], offsets[b + 1]
+        rows = t[idx[s:e]]
+        if weights is not None:
+            rows = rows * np.asarray(weights[s:e], np.float64)[:, None]
+        out[b] = rows.sum(0)
+        if mean and e > s:
+            out[b] /= e - s
+    return out
+
+
+@st.composite
+def batches(draw):
+    """A table and a duplicate-heavy CSR batch (bag sizes 0..7, few distinct rows)."""
+    F = draw(FEATURES)
+    N = draw(st.integers(1, 40))
+    B = draw(st.integers(0, 24))
+    sizes = draw(st.lists(st.integers(0, 7), min_size=B, max_size=B))
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    seed = draw(st.integers(0, 2**31))
+    rng = np.random.default_rng(seed)
+    hot = draw(st.integers(1, N))  # indices drawn from only `hot` rows -> many duplicates
+    idx = rng.integers(0, hot, offsets[-1]).astype(draw(st.sampled_from([np.int32, np.int64])))
+    table = rng.standard_normal((N, F)).astype(np.float32)
+    weights = rng.standard_normal(offsets[-1]).astype(np.float32)
+    threads = draw(st.sampled_from([1, 2]))
+    return table, idx, offsets, weights, threads
+
+
+@settings(max_examples=40, deadline=None)
+@given(batches(), st.sampled_from(["sum", "mean"]), st.booleans())
+def test_pooled_csr_matches_numpy(batch, mode, weighted):
+    table, idx, offsets, weights, threads = batch
+    numba.set_num_threads(threads)
+    w = weights if weighted else None
+    got = E.lookup(E.SimpleEmbedding(table), idx, offsets, mode=mode, weights=w)
+    want = ref_pooled(table, idx, offsets, w, mode == "mean")
+    assert got.shape == want.shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(batches())
+def test_non_reducing_is_exact_gather(batch):
+    table, idx, _, _, threads = batch
+    numba.set_num_threads(threads)
+    got = E.lookup(E.SimpleEmbedding(table), idx)
+    assert np.array_equal(got, table[idx])
+
+
+@settings(max_examples=30, deadline=None)
+@given(FEATURES, st.integers(0, 20), st.integers(0, 6), st.sampled_from([1, 2]), st.sampled_from(["sum", "mean"]))
+def test_fixed_width_equals_csr(F, B, k, threads, mode):
+    numba.set_num_threads(threads)
+    rng = np.random.default_rng(F * 1000 + B * 10 + k)
+    table = rng.standard_normal((30, F)).astype(np.float32)
+    idx = rng.integers(0, 30, (B, k))
+    w = rng.random((B, k)).astype(np.float32)
+    t = E.SimpleEmbedding(table)
+    got = E.lookup(t, idx, mode=mode, weights=w)
+    offsets = np.arange(0, B * k + 1, k) if k else np.zeros(B + 1, np.int64)
+    want = ref_pooled(table, idx.reshape(-1), offsets, w.reshape(-1), mode == "mean")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_lookup_into_strided_slice_touches_only_its_columns():
+    rng = np.random.default_rng(1)
+    T, F, B = 3, 16, 50
+    big = np.full((B, (T + 1) * F), -7.0, np.float32)
+    tables = [rng.standard_normal((100, F)).astype(np.float32) for _ in range(T)]
+    idx = [rng.integers(0, 100, (B, 4)) for _ in range(T)]
+    for t in range(T):
+        view = big[:, (t + 1) * F:(t + 2) * F]
+        assert E.lookup_into(view, E.SimpleEmbedding(tables[t]), idx[t]) is view
+        np.testing.assert_allclose(view, tables[t][idx[t]].sum(1), rtol=1e-5, atol=1e-5)
+    assert (big[:, :F] == -7.0).all()
+
+
+def test_empty_bags_give_zero_rows_also_for_mean():
+    table = np.ones((5, 4), np.float32)
+    got = E.lookup(E.SimpleEmbedding(table), np.array([1, 2]), np.array([0, 0, 2, 2]), mode="mean")
+    assert np.array_equal(got, np.array([[0] * 4, [1] * 4, [0] * 4], np.float32))
+    assert not np.isnan(got).any()
+
+
+def test_batch_zero_and_one():
+    t = E.SimpleEmbedding(np.arange(12, dtype=np.float32).reshape(3, 4))
+    assert E.lookup(t, np.array([], np.int64)).shape == (0, 4)
+    assert E.lookup(t, np.array([], np.int64), np.array([0])).shape == (0, 4)
+    assert np.array_equal(E.lookup(t, np.array([[2]])), [[8, 9, 10, 11]])
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16, np.float64])
+def test_low_precision_storage_accumulates_in_float32(dtype):
+    rng = np.random.default_rng(3)
+    table = rng.standard_normal((64, 32)).astype(dtype)
+    idx = rng.integers(0, 64, (20, 9))
+    t = E.SimpleEmbedding(table)
+    assert t.eltype() == np.dtype(dtype)
+    got = E.lookup(t, idx)
+    assert got.dtype == np.float32
+    want = table.astype(np.float32)[idx].astype(np.float64).sum(1)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.array_equal(E.lookup(t, idx[:, 0]), table[idx[:, 0]].astype(np.float32))
+
+
+def test_protocol_functions():
+    data = np.zeros((7, 3), np.float32)
+    t = E.SimpleEmbedding(data, name="users")
+    assert (E.eltype(t), E.featuresize(t), E.nvectors(t)) == (np.float32, 3, 7)
+    assert E.example(t) is data
+    with t.rows(E.FORWARD) as src:
+        assert src.base is data and src.slots is None
+
+
+def test_array_like_objects_go_through_the_hook():
+    class Wrapped:  # stands in for a CachedArray: only __array__
+        def __init__(self, a):
+            self.a = a
+
+        def __array__(self, dtype=None, copy=None):
+            return self.a
+
+    a = np.arange(20, dtype=np.float32).reshape(5, 4)
+    w = Wrapped(a)
+    t = E.SimpleEmbedding(w)
+    assert E.example(t) is w
+    assert np.array_equal(E.lookup(t, [4, 0]), a[[4, 0]])
+    E.pullback(t, np.ones((1, 4), np.float32), [3], optimizer=E.SGD(1.0))
+    assert np.array_equal(a[3], np.arange(12, 16) - 1)
