@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from embeddings import SGD, Ensemble, RowwiseAdagrad
@@ -25,6 +26,13 @@ from embeddings.protocol import EmbeddingTable
 from .data.batch import Batch
 from .dense import DLRMConfig, init_dense, make_grad_step, make_predict, sgd_update, to_device, to_numpy
 from .metrics import PhaseTimer, accuracy, bce, roc_auc
+
+
+GROUP_SIZE = 8
+
+
+def _part(xs, a, b):
+    return None if xs is None else xs[a:b]
 
 
 @dataclass
@@ -49,7 +57,8 @@ class DLRM:
     """
 
     def __init__(self, config: DLRMConfig, tables: Sequence[EmbeddingTable], *, optimizer: str = "sgd",
-                 lr: float = 0.01, seed: int = 0, params: dict | None = None, timer: PhaseTimer | None = None):
+                 lr: float = 0.01, seed: int = 0, params: dict | None = None, timer: PhaseTimer | None = None,
+                 group_size: int = GROUP_SIZE):
         if len(tables) != config.ntables:
             raise ValueError(f"config has {config.ntables} tables, got {len(tables)}")
         for t, n in zip(tables, config.table_sizes):
@@ -60,7 +69,12 @@ class DLRM:
             raise ValueError(f"optimizer must be 'sgd' or 'adagrad', got {optimizer!r}")
         self.config = config
         self.tables = list(tables)
-        self.ensemble = Ensemble(self.tables)
+        # numba compiles the ensemble kernels once per number of tables (tuples are unrolled), and
+        # that compile time grows much faster than linearly: groups of at most `group_size` tables
+        # keep a 26-table model at two compiled variants of seconds each instead of one of minutes.
+        g = max(1, int(group_size))
+        self.groups = [(a, min(a + g, len(self.tables))) for a in range(0, len(self.tables), g)]
+        self.ensembles = [Ensemble(self.tables[a:b]) for a, b in self.groups]
         self.lr = float(lr)
         self.optimizer = optimizer
         self.table_opt = SGD(self.lr) if optimizer == "sgd" else RowwiseAdagrad(self.lr)
@@ -76,7 +90,13 @@ class DLRM:
         shape = (len(batch), self.config.ntables, self.config.featuresize)
         if self._buf is None or self._buf.shape != shape:
             self._buf = _aligned_empty(shape)
-        return self.ensemble.lookup_into(self._buf, batch.indices, batch.offsets)
+        for (a, b), ens in zip(self.groups, self.ensembles):
+            ens.lookup_into(self._buf[:, a:b, :], batch.indices[a:b], _part(batch.offsets, a, b))
+        return self._buf
+
+    def _pullback(self, grad: np.ndarray, batch: Batch) -> None:
+        for (a, b), ens in zip(self.groups, self.ensembles):
+            ens.pullback(grad[:, a:b, :], batch.indices[a:b], _part(batch.offsets, a, b), optimizer=self.table_opt)
 
     def train_step(self, batch: Batch) -> StepResult:
         tm = self.timer
@@ -85,10 +105,22 @@ class DLRM:
         with tm("dense fwd+bwd"):
             loss, p, g, gemb = jax.block_until_ready(self._grad(self.params, batch.dense, emb, batch.labels))
         with tm("embedding update"):
-            self.ensemble.pullback(np.asarray(gemb), batch.indices, batch.offsets, optimizer=self.table_opt)
+            self._pullback(np.asarray(gemb), batch)
         with tm("dense update"):
             self.params = jax.block_until_ready(sgd_update(self.params, g, np.float32(self.lr)))
         return StepResult(float(loss), np.asarray(p))
+
+    def warmup(self, batch: Batch) -> None:
+        """Compile every kernel and jitted function on ``batch`` without changing any weight
+        (a zero table gradient and a zero dense gradient are applied), so timings start warm."""
+        emb = self.lookup(batch)
+        loss, p, g, gemb = jax.block_until_ready(self._grad(self.params, batch.dense, emb, batch.labels))
+        zero = np.zeros(np.shape(gemb), np.float32)
+        zero.flags.writeable = False  # read-only like the gradient JAX hands back: same kernel variant
+        self._pullback(zero, batch)
+        zeros = jax.tree.map(jnp.zeros_like, g)
+        self.params = jax.block_until_ready(sgd_update(self.params, zeros, np.float32(self.lr)))
+        self._predict(self.params, batch.dense, emb).block_until_ready()
 
     def predict(self, batch: Batch) -> np.ndarray:
         """Logits (before the sigmoid) for ``batch``; no weights change."""

@@ -172,11 +172,12 @@ def run(args) -> dict:
         start = 0
         if args.load:
             start = int(checkpoint.load(args.load, model)["step"])
+        model.warmup(data.batch(start % per_epoch if args.data_generation == "dataset" else start))
         setup = time.perf_counter() - t0
         print(f"DLRM: {len(sizes)} tables ({sum(sizes)} rows x {F}, {table_bytes / 2**20:.1f} MiB) policy={args.policy} "
               f"on {', '.join(sorted(set(table_devices(tables))))}; bottom {'-'.join(map(str, bottom))}, "
               f"top {'-'.join(map(str, cfg.top_sizes))}, {args.arch_interaction_op} interaction; "
-              f"batches {start}..{total} of {args.mini_batch_size}; setup {setup:.1f} s", file=sys.stderr)
+              f"batches {start}..{total} of {args.mini_batch_size}; setup and compilation {setup:.1f} s", file=sys.stderr)
         manager.telemetry_data.reset()
         losses: list[tuple[int, float]] = []
         evals: list[dict] = []

@@ -232,6 +232,6 @@ class CriteoDataset:
         a, _ = self.ranges[split]
         s = a + (int(i) % nb) * self.batch_size
         rec = self.records[s:s + self.batch_size]
-        sparse = np.ascontiguousarray(rec["sparse"].T)
+        sparse = rec["sparse"].T.astype(np.int64)  # int64 like the synthetic data: one compiled kernel variant
         return Batch(np.array(rec["dense"], np.float32), [sparse[t] for t in range(NUM_SPARSE)],
                      np.array(rec["label"], np.float32))
