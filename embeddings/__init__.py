@@ -1,21 +1,56 @@
-"""Embedding tables with numba kernels (dissertation section 5.2).
+"""Embedding tables with numba kernels (dissertation sections 5.2-5.3).
 
-Public API: the table protocol (``eltype``, ``featuresize``, ``nvectors``, ``example``, contexts
-``Forward``/``Update``), ``SimpleEmbedding``, ``lookup``/``lookup_into``, ``pullback`` with ``SGD``/``RowwiseAdagrad``
-(fused, no dense gradient), ``sparse_gradient``, ``Ensemble``; index streams in ``embeddings.distributions``.
+Public API
+----------
+* Table protocol (Table 5.2): ``eltype(t)``, ``featuresize(t)``, ``nvectors(t)``, ``example(t)``
+  and ``t.rows(context, indices, writable)`` with the contexts ``Forward`` / ``Update`` / None
+  (:mod:`embeddings.protocol`).
+* ``SimpleEmbedding(data, name=...)``: a row-major ``(nvectors, featuresize)`` table over a numpy
+  array or any object with ``__array__`` (a CachedArray); float32, float64, float16 or bfloat16
+  storage, always float32 accumulation (:mod:`embeddings.simple`).
+* ``lookup(t, indices, offsets=None, *, mode=None, weights=None)`` and ``lookup_into(out, ...)``:
+  non-reducing, CSR-pooled or fixed-width ``(batch, k)`` pooled, sum or mean, optional per-sample
+  weights; ``out`` may be a column slice of a wider array (:mod:`embeddings.lookup`).
+* ``pullback(t, grad, indices, offsets=None, *, mode, weights, optimizer)`` with ``SGD`` or
+  ``RowwiseAdagrad``: reindexing into a CSR of unique rows, then one fused accumulate-and-apply
+  pass; no table gradient is ever materialised. ``sparse_gradient`` exposes the accumulated
+  rows for inspection (:mod:`embeddings.pullback`, :mod:`embeddings.optim`).
+* ``Ensemble(tables)``: ``lookup`` / ``lookup_into`` / ``pullback`` of many tables in one
+  parallel region, into a ``(batch, tables, featuresize)`` array (:mod:`embeddings.ensemble`).
+* ``embeddings.distributions``: seeded uniform and LFSR-scrambled Zipf index streams.
+
+Bad input raises before anything is written: ``IndexError`` (table, position, value),
+``ValueError`` (offsets, shapes), ``TypeError`` (dtypes), ``FloatingPointError`` (NaN/inf
+gradient).
+
+Plugging in
+-----------
+* CachedArray: ``SimpleEmbedding`` reaches its data only through ``simple._ndarray_view`` (a
+  context manager held for the duration of each kernel call); the integration swaps its body for
+  ``cachedarrays.readable`` / ``writable`` so the object is pinned while a kernel runs.
+* Cached tables (``CachedEmbeddings``): subclass ``EmbeddingTable`` and return a ``RowSource``
+  whose ``slots`` array maps each row to a slot of ``cache`` (or -1 for ``base``); do
+  ``access_and_cache`` on the given indices in ``rows(Forward, indices)``. Every kernel (lookup,
+  update, ensemble) then reads and writes rows through that indirection; see
+  :mod:`embeddings.kernels.rowaccess`.
+* Kernels never see Python objects: tables reach them as (base, cache, slots, codec) and a
+  ``spec`` tuple that makes the feature size a compile-time constant (sizes 8, 16, 32, 64, 128,
+  256 get explicit ``<8 x float>`` SIMD code with a register accumulator; others a generic loop).
+* Concurrency: two concurrent ``pullback`` calls on the same table are not safe (they share the
+  table's reindexing map, as they would share its rows).
 """
 
+from . import distributions
 from .ensemble import Ensemble
 from .lookup import lookup, lookup_into
 from .optim import SGD, RowwiseAdagrad
-from .pullback import UpdatePlan, pullback, sparse_gradient
 from .protocol import (FORWARD, UPDATE, Context, EmbeddingTable, Forward, RowSource, Update, eltype,
                        example, featuresize, nvectors)
+from .pullback import UpdatePlan, pullback, sparse_gradient
 from .simple import SimpleEmbedding
-from . import distributions
 
 __all__ = [
-    "FORWARD", "UPDATE", "Context", "Ensemble", "EmbeddingTable", "Forward", "RowSource", "Update",
-    "RowwiseAdagrad", "SGD", "SimpleEmbedding", "UpdatePlan", "eltype", "example", "featuresize", "lookup", "lookup_into", "nvectors", "pullback",
-    "sparse_gradient",
+    "FORWARD", "UPDATE", "Context", "EmbeddingTable", "Ensemble", "Forward", "RowSource",
+    "RowwiseAdagrad", "SGD", "SimpleEmbedding", "Update", "UpdatePlan", "distributions", "eltype",
+    "example", "featuresize", "lookup", "lookup_into", "nvectors", "pullback", "sparse_gradient",
 ]

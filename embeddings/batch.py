@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kernels.checks import first_bad_offset, first_out_of_range
+from .kernels.checks import first_bad_offset, out_of_range
 
 _EMPTY_W = np.empty(0, np.float32)
 
@@ -77,7 +77,7 @@ def make_bags(name: str, nvectors: int, indices: object, offsets: object | None 
     else:
         raise ValueError(f"{name}: indices must be 1-d (with or without offsets) or 2-d, got {idx.shape}")
     flat = idx.reshape(-1)
-    p = int(first_out_of_range(flat, nvectors))
+    p = out_of_range(flat, nvectors)
     if p >= 0:
         pos = tuple(int(i) for i in np.unravel_index(p, shape)) if len(shape) > 1 else p
         raise IndexError(f"{name}: index {int(flat[p])} at position {pos} is out of range "

@@ -13,14 +13,15 @@ from contextlib import ExitStack
 import numpy as np
 from numba import get_num_threads
 
+from . import config
 from .batch import Bags, make_bags
 from .kernels import ensemble as K
 from .kernels.reindex import plan_arrays, reindex_many
 from .kernels.rowaccess import spec_for
-from .lookup import prefetch_distance
+from .lookup import prefetch_distance, run_lookup
 from .optim import SGD, Optimizer, RowwiseAdagrad
 from .protocol import FORWARD, UPDATE, EmbeddingTable, RowSource
-from .pullback import bag_offsets, check_grad, scratch_for
+from .pullback import bag_offsets, check_grad, make_plan, run_update, scratch_for
 
 _MAX_TABLES = 64  # numba unpacks tuples into parallel regions only up to ~100 entries
 
@@ -86,13 +87,17 @@ class Ensemble:
         return out
 
     def _lookup(self, out: np.ndarray, bags: list[Bags]) -> None:
-        from .lookup import run_lookup
-
         if out.shape[0] == 0 or self._F == 0:
+            return
+        if out.strides[2] != out.itemsize:  # kernels need contiguous output rows
+            tmp = np.empty(out.shape, np.float32)
+            self._lookup(tmp, bags)
+            out[...] = tmp
             return
         with ExitStack() as stack:
             srcs = [stack.enter_context(t.rows(FORWARD, b.indices)) for t, b in zip(self.tables, bags)]
-            if len(srcs) > _MAX_TABLES:
+            small = sum(b.indices.size for b in bags) * self._F < config.SERIAL_WORK
+            if len(srcs) > _MAX_TABLES or small or get_num_threads() == 1:
                 for i, (s, b) in enumerate(zip(srcs, bags)):
                     run_lookup(out[:, i, :], s, b)
                 return
@@ -132,18 +137,18 @@ class Ensemble:
             if g3.dtype.kind != "f":
                 raise TypeError(f"gradient must be floating point, got {g3.dtype}")
             g3 = g3.astype(np.float32)
+        if g3.strides[2] != g3.itemsize:
+            g3 = np.ascontiguousarray(g3)
         for i, (t, b) in enumerate(zip(self.tables, bags)):
             check_grad(g3[:, i, :], b, t)
         if shape[0] == 0 or self._F == 0:
             return
         T = len(self.tables)
-        if T > _MAX_TABLES:
-            from .pullback import pullback as single
-
-            for i, t in enumerate(self.tables):
-                b = bags[i]
-                single(t, g3[:, i, :], b.indices.reshape(b.shape), None if offsets is None else offsets[i],
-                       mode=mode, weights=None if weights is None else weights[i], optimizer=optimizer)
+        small = sum(b.indices.size for b in bags) * self._F < config.SERIAL_WORK
+        if T > _MAX_TABLES or small or get_num_threads() == 1:  # table by table (each may be parallel)
+            for i, (t, b) in enumerate(zip(self.tables, bags)):
+                run_update(t, g3[:, i, :], make_plan(t, b), optimizer.code, float(optimizer.lr),
+                           float(optimizer.eps), optimizer.state(t), _NO_GOUT)
             return
         need_coef = any(b.weights.size > 0 for b in bags) or bags[0].mean
         plans = [plan_arrays(b.indices.size, need_coef) for b in bags]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import get_num_threads
 
+from . import config
 from .batch import Bags, make_bags
 from .kernels import lookup as K
 from .kernels.rowaccess import spec_for
@@ -34,11 +35,25 @@ def run_lookup(out: np.ndarray, src: RowSource, bags: Bags) -> None:
     """Dispatch one validated batch to the kernels."""
     if bags.nout == 0 or out.shape[1] == 0:
         return
+    if out.strides[1] != out.itemsize:  # kernels need contiguous output rows
+        tmp = np.empty(out.shape, np.float32)
+        run_lookup(tmp, src, bags)
+        out[...] = tmp
+        return
     dist = prefetch_distance(src.base.shape[1] * src.base.itemsize)
+    spec = spec_for(out.shape[1])
+    serial = bags.indices.size * out.shape[1] < config.SERIAL_WORK or get_num_threads() == 1
     if bags.offsets is None:
-        K.gather(spec_for(out.shape[1]), out, src.base, src.cache, src.slots, src.codec, bags.indices, dist, get_num_threads())
+        if serial:
+            K.gather_serial(spec, out, src.base, src.cache, src.slots, src.codec, bags.indices, dist)
+        else:
+            K.gather(spec, out, src.base, src.cache, src.slots, src.codec, bags.indices, dist,
+                     get_num_threads())
+    elif serial:
+        K.pooled_serial(spec, out, src.base, src.cache, src.slots, src.codec, bags.indices, bags.offsets,
+                        bags.weights, bags.mean, dist)
     else:
-        K.pooled(spec_for(out.shape[1]), out, src.base, src.cache, src.slots, src.codec, bags.indices, bags.offsets,
+        K.pooled(spec, out, src.base, src.cache, src.slots, src.codec, bags.indices, bags.offsets,
                  bags.weights, bags.mean, dist, get_num_threads())
 
 

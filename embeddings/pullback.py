@@ -16,9 +16,10 @@ from numba import get_num_threads
 
 from .batch import Bags, make_bags
 from .kernels import update as U
-from .kernels.checks import first_nonfinite_row
-from .kernels.reindex import plan_arrays, reindex_into
+from .kernels.checks import nonfinite_row
+from .kernels.reindex import plan_arrays, reindex_into, reindex_parallel
 from .kernels.rowaccess import spec_for
+from . import config
 from .lookup import prefetch_distance
 from .optim import SGD, Optimizer, RowwiseAdagrad
 from .protocol import UPDATE, EmbeddingTable
@@ -57,8 +58,13 @@ def make_plan(table: EmbeddingTable, bags: Bags) -> UpdatePlan:
     """Reindex a validated batch into an :class:`UpdatePlan`."""
     L = bags.indices.size
     uniq, counts, starts, ent_bag, ent_coef = plan_arrays(L, bags.weights.size > 0 or bags.mean)
-    n = reindex_into(bags.indices, bag_offsets(bags), bags.weights, bags.mean, scratch_for(table),
-                     uniq, counts, starts, ent_bag, ent_coef)
+    P = get_num_threads()
+    if P > 1 and L >= config.PARALLEL_REINDEX_MIN:
+        n = reindex_parallel(bags.indices, bag_offsets(bags), bags.weights, bags.mean, scratch_for(table),
+                             P, uniq, counts, starts, ent_bag, ent_coef, np.empty(L, np.int64))
+    else:
+        n = reindex_into(bags.indices, bag_offsets(bags), bags.weights, bags.mean, scratch_for(table),
+                         uniq, counts, starts, ent_bag, ent_coef)
     return UpdatePlan(uniq[:n], starts[: n + 1], ent_bag, ent_coef)
 
 
@@ -71,8 +77,10 @@ def check_grad(grad: object, bags: Bags, table: EmbeddingTable) -> np.ndarray:
         raise ValueError(f"{table.name}: gradient shape {g.shape}, expected {(bags.nout, table.featuresize())}")
     if g.dtype != np.float32:
         g = g.astype(np.float32)
+    if g.ndim == 2 and g.strides[1] != g.itemsize:  # kernels read contiguous gradient rows
+        g = np.ascontiguousarray(g)
     if g.size:
-        bad = int(first_nonfinite_row(g))
+        bad = nonfinite_row(g)
         if bad >= 0:
             raise FloatingPointError(f"{table.name}: non-finite gradient in output row {bad}; "
                                      "update refused, table unchanged")
@@ -87,9 +95,13 @@ def run_update(table: EmbeddingTable, g: np.ndarray, plan: UpdatePlan, opt: int,
         return
     with table.rows(UPDATE, plan.uniq, writable=(opt != U.GRADIENT)) as src:
         dist = prefetch_distance(src.base.shape[1] * src.base.itemsize)
-        U.apply_update(spec_for(table.featuresize()), src.base, src.cache, src.slots, src.codec, g,
-                       plan.uniq, plan.starts, plan.bag, plan.coef, n, opt, lr, eps, state, gout,
-                       dist, get_num_threads())
+        spec = spec_for(table.featuresize())
+        if plan.bag.size * table.featuresize() < config.SERIAL_WORK or get_num_threads() == 1:
+            U.apply_update_serial(spec, src.base, src.cache, src.slots, src.codec, g, plan.uniq,
+                                  plan.starts, plan.bag, plan.coef, n, opt, lr, eps, state, gout, dist)
+        else:
+            U.apply_update(spec, src.base, src.cache, src.slots, src.codec, g, plan.uniq, plan.starts,
+                           plan.bag, plan.coef, n, opt, lr, eps, state, gout, dist, get_num_threads())
 
 
 def pullback(table: EmbeddingTable, grad: object, indices: object, offsets: object | None = None,

@@ -26,11 +26,23 @@ except ImportError:  # pragma: no cover
 
 @contextmanager
 def _ndarray_view(data: Any, writable: bool) -> Iterator[np.ndarray]:
-    """Yield a numpy view of ``data`` for the duration of one kernel call (the integration hook)."""
+    """Yield a numpy view of ``data`` for the duration of one kernel call (the integration hook).
+
+    numpy arrays pass through. Other objects go through ``__array__``: for reading any result
+    will do (a copy is correct, only slow); for writing the object must hand out its own memory
+    (``__array__(copy=False)``), because an update written into a copy would be lost silently.
+    """
     if isinstance(data, np.ndarray):
         yield data
         return
-    view = data.__array__() if hasattr(data, "__array__") else np.asarray(data)
+    if not writable:
+        yield np.asarray(data)
+        return
+    try:
+        view = data.__array__(copy=False)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"cannot update {type(data).__name__} in place: it gives no writable view "
+                        f"without a copy ({e})") from e
     yield view
 
 

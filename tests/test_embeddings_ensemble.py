@@ -1,5 +1,7 @@
 """Ensembles agree with per-table calls, write in place, and validate every table first."""
 
+from contextlib import contextmanager
+
 import numba
 import numpy as np
 import pytest
@@ -7,6 +9,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import embeddings as E
+from embeddings import config
+
+
+
+@contextmanager
+def numba_threads(n):
+    """Run with ``n`` numba threads; with more than one, force the parallel kernels even for
+    the tiny inputs of these tests (normally they run serially below a work threshold)."""
+    saved = (config.SERIAL_WORK, config.SERIAL_CHECK, config.PARALLEL_REINDEX_MIN)
+    numba.set_num_threads(n)
+    if n > 1:
+        config.SERIAL_WORK = config.SERIAL_CHECK = config.PARALLEL_REINDEX_MIN = 0
+    try:
+        yield
+    finally:
+        config.SERIAL_WORK, config.SERIAL_CHECK, config.PARALLEL_REINDEX_MIN = saved
 
 
 def make(T, N, F, seed):
@@ -18,25 +36,25 @@ def make(T, N, F, seed):
 @given(st.integers(1, 5), st.sampled_from([3, 16, 64]), st.integers(0, 30), st.integers(0, 5),
        st.sampled_from([1, 2]), st.sampled_from(["sum", "mean"]), st.booleans())
 def test_ensemble_lookup_and_update_match_per_table(T, F, B, k, threads, mode, weighted):
-    numba.set_num_threads(threads)
-    datas, rng = make(T, 25, F, T * 100 + B)
-    idx = [rng.integers(0, rng.integers(1, 26), (B, k)) for _ in range(T)]
-    w = [rng.random((B, k)).astype(np.float32) for _ in range(T)] if weighted else None
-    tabs = [E.SimpleEmbedding(d.copy(), f"t{i}") for i, d in enumerate(datas)]
-    refs = [E.SimpleEmbedding(d.copy()) for d in datas]
-    ens = E.Ensemble(tabs)
-    out = ens.lookup(idx, mode=mode, weights=w)
-    assert out.shape == (B, T, F)
-    for t in range(T):
-        want = E.lookup(refs[t], idx[t], mode=mode, weights=None if w is None else w[t])
-        np.testing.assert_allclose(out[:, t], want, rtol=1e-6, atol=1e-6)
-    g = rng.standard_normal((B, T, F)).astype(np.float32)
-    opt_e, opt_r = E.RowwiseAdagrad(0.1), E.RowwiseAdagrad(0.1)
-    ens.pullback(g, idx, mode=mode, weights=w, optimizer=opt_e)
-    for t in range(T):
-        E.pullback(refs[t], g[:, t], idx[t], mode=mode, weights=None if w is None else w[t], optimizer=opt_r)
-        np.testing.assert_allclose(tabs[t].data, refs[t].data, rtol=1e-6, atol=1e-6)
-        np.testing.assert_allclose(opt_e.state(tabs[t]), opt_r.state(refs[t]), rtol=1e-6)
+    with numba_threads(threads):
+        datas, rng = make(T, 25, F, T * 100 + B)
+        idx = [rng.integers(0, rng.integers(1, 26), (B, k)) for _ in range(T)]
+        w = [rng.random((B, k)).astype(np.float32) for _ in range(T)] if weighted else None
+        tabs = [E.SimpleEmbedding(d.copy(), f"t{i}") for i, d in enumerate(datas)]
+        refs = [E.SimpleEmbedding(d.copy()) for d in datas]
+        ens = E.Ensemble(tabs)
+        out = ens.lookup(idx, mode=mode, weights=w)
+        assert out.shape == (B, T, F)
+        for t in range(T):
+            want = E.lookup(refs[t], idx[t], mode=mode, weights=None if w is None else w[t])
+            np.testing.assert_allclose(out[:, t], want, rtol=1e-6, atol=1e-6)
+        g = rng.standard_normal((B, T, F)).astype(np.float32)
+        opt_e, opt_r = E.RowwiseAdagrad(0.1), E.RowwiseAdagrad(0.1)
+        ens.pullback(g, idx, mode=mode, weights=w, optimizer=opt_e)
+        for t in range(T):
+            E.pullback(refs[t], g[:, t], idx[t], mode=mode, weights=None if w is None else w[t], optimizer=opt_r)
+            np.testing.assert_allclose(tabs[t].data, refs[t].data, rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(opt_e.state(tabs[t]), opt_r.state(refs[t]), rtol=1e-6)
 
 
 def test_ensemble_csr_and_non_reducing():

@@ -1,6 +1,8 @@
 """Lookups against numpy references: every form, feature sizes 1..300, batches from 0, 1-2 threads."""
 
 import ml_dtypes
+from contextlib import contextmanager
+
 import numba
 import numpy as np
 import pytest
@@ -8,8 +10,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import embeddings as E
+from embeddings import config
 
 FEATURES = st.one_of(st.integers(1, 300), st.sampled_from([8, 16, 32, 64, 128, 256]))
+
+
+@contextmanager
+def numba_threads(n):
+    """Run with ``n`` numba threads; with more than one, force the parallel kernels even for
+    the tiny inputs of these tests (normally they run serially below a work threshold)."""
+    saved = (config.SERIAL_WORK, config.SERIAL_CHECK, config.PARALLEL_REINDEX_MIN)
+    numba.set_num_threads(n)
+    if n > 1:
+        config.SERIAL_WORK = config.SERIAL_CHECK = config.PARALLEL_REINDEX_MIN = 0
+    try:
+        yield
+    finally:
+        config.SERIAL_WORK, config.SERIAL_CHECK, config.PARALLEL_REINDEX_MIN = saved
+
 
 
 def ref_pooled(table, idx, offsets, weights=None, mean=False):
@@ -49,36 +67,36 @@ def batches(draw):
 @given(batches(), st.sampled_from(["sum", "mean"]), st.booleans())
 def test_pooled_csr_matches_numpy(batch, mode, weighted):
     table, idx, offsets, weights, threads = batch
-    numba.set_num_threads(threads)
-    w = weights if weighted else None
-    got = E.lookup(E.SimpleEmbedding(table), idx, offsets, mode=mode, weights=w)
-    want = ref_pooled(table, idx, offsets, w, mode == "mean")
-    assert got.shape == want.shape and got.dtype == np.float32
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    with numba_threads(threads):
+        w = weights if weighted else None
+        got = E.lookup(E.SimpleEmbedding(table), idx, offsets, mode=mode, weights=w)
+        want = ref_pooled(table, idx, offsets, w, mode == "mean")
+        assert got.shape == want.shape and got.dtype == np.float32
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 @settings(max_examples=30, deadline=None)
 @given(batches())
 def test_non_reducing_is_exact_gather(batch):
     table, idx, _, _, threads = batch
-    numba.set_num_threads(threads)
-    got = E.lookup(E.SimpleEmbedding(table), idx)
-    assert np.array_equal(got, table[idx])
+    with numba_threads(threads):
+        got = E.lookup(E.SimpleEmbedding(table), idx)
+        assert np.array_equal(got, table[idx])
 
 
 @settings(max_examples=30, deadline=None)
 @given(FEATURES, st.integers(0, 20), st.integers(0, 6), st.sampled_from([1, 2]), st.sampled_from(["sum", "mean"]))
 def test_fixed_width_equals_csr(F, B, k, threads, mode):
-    numba.set_num_threads(threads)
-    rng = np.random.default_rng(F * 1000 + B * 10 + k)
-    table = rng.standard_normal((30, F)).astype(np.float32)
-    idx = rng.integers(0, 30, (B, k))
-    w = rng.random((B, k)).astype(np.float32)
-    t = E.SimpleEmbedding(table)
-    got = E.lookup(t, idx, mode=mode, weights=w)
-    offsets = np.arange(0, B * k + 1, k) if k else np.zeros(B + 1, np.int64)
-    want = ref_pooled(table, idx.reshape(-1), offsets, w.reshape(-1), mode == "mean")
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    with numba_threads(threads):
+        rng = np.random.default_rng(F * 1000 + B * 10 + k)
+        table = rng.standard_normal((30, F)).astype(np.float32)
+        idx = rng.integers(0, 30, (B, k))
+        w = rng.random((B, k)).astype(np.float32)
+        t = E.SimpleEmbedding(table)
+        got = E.lookup(t, idx, mode=mode, weights=w)
+        offsets = np.arange(0, B * k + 1, k) if k else np.zeros(B + 1, np.int64)
+        want = ref_pooled(table, idx.reshape(-1), offsets, w.reshape(-1), mode == "mean")
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_lookup_into_strided_slice_touches_only_its_columns():
@@ -146,3 +164,21 @@ def test_array_like_objects_go_through_the_hook():
     assert np.array_equal(E.lookup(t, [4, 0]), a[[4, 0]])
     E.pullback(t, np.ones((1, 4), np.float32), [3], optimizer=E.SGD(1.0))
     assert np.array_equal(a[3], np.arange(12, 16) - 1)
+
+
+def test_array_like_that_only_copies_is_readable_but_refuses_updates():
+    class CopyOnly:  # like a CachedArray outside a status view: __array__ must copy
+        def __init__(self, a):
+            self.a = a
+
+        def __array__(self, dtype=None, copy=None):
+            if copy is False:
+                raise ValueError("no view without a copy")
+            return self.a.copy()
+
+    a = np.arange(8, dtype=np.float32).reshape(4, 2)
+    t = E.SimpleEmbedding(CopyOnly(a))
+    assert np.array_equal(E.lookup(t, [2, 2]), a[[2, 2]])
+    with pytest.raises(TypeError, match="in place"):
+        E.pullback(t, np.ones((1, 2), np.float32), [1], optimizer=E.SGD(1.0))
+    assert np.array_equal(a, np.arange(8, dtype=np.float32).reshape(4, 2))

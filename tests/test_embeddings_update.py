@@ -3,6 +3,8 @@
 import jax
 import jax.numpy as jnp
 import ml_dtypes
+from contextlib import contextmanager
+
 import numba
 import numpy as np
 import pytest
@@ -10,8 +12,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import embeddings as E
+from embeddings import config
 
 jax.config.update("jax_platforms", "cpu")
+
+
+@contextmanager
+def numba_threads(n):
+    """Run with ``n`` numba threads; with more than one, force the parallel kernels even for
+    the tiny inputs of these tests (normally they run serially below a work threshold)."""
+    saved = (config.SERIAL_WORK, config.SERIAL_CHECK, config.PARALLEL_REINDEX_MIN)
+    numba.set_num_threads(n)
+    if n > 1:
+        config.SERIAL_WORK = config.SERIAL_CHECK = config.PARALLEL_REINDEX_MIN = 0
+    try:
+        yield
+    finally:
+        config.SERIAL_WORK, config.SERIAL_CHECK, config.PARALLEL_REINDEX_MIN = saved
+
 
 
 def dense_grad(N, idx, offsets, grad, weights=None, mean=False):
@@ -46,45 +64,45 @@ def cases(draw):
 @given(cases(), st.sampled_from(["sum", "mean"]), st.booleans())
 def test_sgd_matches_numpy(case, mode, weighted):
     table, idx, offsets, grad, weights, threads = case
-    numba.set_num_threads(threads)
-    w = weights if weighted else None
-    t = E.SimpleEmbedding(table.copy())
-    E.pullback(t, grad, idx, offsets, mode=mode, weights=w, optimizer=E.SGD(0.25))
-    want = table - 0.25 * dense_grad(len(table), idx, offsets, grad, w, mode == "mean")
-    np.testing.assert_allclose(t.data, want, rtol=1e-5, atol=1e-5)
+    with numba_threads(threads):
+        w = weights if weighted else None
+        t = E.SimpleEmbedding(table.copy())
+        E.pullback(t, grad, idx, offsets, mode=mode, weights=w, optimizer=E.SGD(0.25))
+        want = table - 0.25 * dense_grad(len(table), idx, offsets, grad, w, mode == "mean")
+        np.testing.assert_allclose(t.data, want, rtol=1e-5, atol=1e-5)
 
 
 @settings(max_examples=30, deadline=None)
 @given(cases())
 def test_rowwise_adagrad_matches_numpy_over_two_steps(case):
     table, idx, offsets, grad, _, threads = case
-    numba.set_num_threads(threads)
-    t = E.SimpleEmbedding(table.copy())
-    opt = E.RowwiseAdagrad(lr=0.1, eps=1e-6, initial_accumulator_value=0.5)
-    ref = table.astype(np.float64)
-    state = np.full(len(table), 0.5)
-    for step in range(2):
-        g = grad * (step + 1)
-        E.pullback(t, g, idx, offsets, optimizer=opt)
-        G = dense_grad(len(table), idx, offsets, g)
-        touched = np.zeros(len(table), bool)
-        touched[idx] = True
-        state[touched] += (G[touched] ** 2).mean(1)
-        ref[touched] -= 0.1 * G[touched] / (np.sqrt(state[touched])[:, None] + 1e-6)
-    np.testing.assert_allclose(opt.state(t), state, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(t.data, ref, rtol=1e-4, atol=1e-5)
+    with numba_threads(threads):
+        t = E.SimpleEmbedding(table.copy())
+        opt = E.RowwiseAdagrad(lr=0.1, eps=1e-6, initial_accumulator_value=0.5)
+        ref = table.astype(np.float64)
+        state = np.full(len(table), 0.5)
+        for step in range(2):
+            g = grad * (step + 1)
+            E.pullback(t, g, idx, offsets, optimizer=opt)
+            G = dense_grad(len(table), idx, offsets, g)
+            touched = np.zeros(len(table), bool)
+            touched[idx] = True
+            state[touched] += (G[touched] ** 2).mean(1)
+            ref[touched] -= 0.1 * G[touched] / (np.sqrt(state[touched])[:, None] + 1e-6)
+        np.testing.assert_allclose(opt.state(t), state, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(t.data, ref, rtol=1e-4, atol=1e-5)
 
 
 @settings(max_examples=25, deadline=None)
 @given(cases(), st.booleans())
 def test_sparse_gradient_rows_are_unique_and_correct(case, weighted):
     table, idx, offsets, grad, weights, threads = case
-    numba.set_num_threads(threads)
-    w = weights if weighted else None
-    rows, vals = E.sparse_gradient(E.SimpleEmbedding(table), grad, idx, offsets, weights=w)
-    assert len(set(rows.tolist())) == len(rows) == len(set(idx.tolist()))
-    G = dense_grad(len(table), idx, offsets, grad, w)
-    np.testing.assert_allclose(vals, G[rows], rtol=1e-5, atol=1e-5)
+    with numba_threads(threads):
+        w = weights if weighted else None
+        rows, vals = E.sparse_gradient(E.SimpleEmbedding(table), grad, idx, offsets, weights=w)
+        assert len(set(rows.tolist())) == len(rows) == len(set(idx.tolist()))
+        G = dense_grad(len(table), idx, offsets, grad, w)
+        np.testing.assert_allclose(vals, G[rows], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["sum", "mean"])
@@ -155,3 +173,27 @@ def test_reindexing_leaves_no_state_behind():
     assert np.array_equal(t.data[:, 0], want)
     from embeddings.pullback import scratch_for
     assert (scratch_for(t) == -1).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(cases(), st.integers(2, 5), st.booleans())
+def test_parallel_reindexing_builds_the_same_plan(case, P, mean):
+    from embeddings.kernels.reindex import plan_arrays, reindex_into, reindex_parallel
+
+    table, idx, offsets, _, weights, _ = case
+    L, N = len(idx), len(table)
+    a = plan_arrays(L, True)
+    b = plan_arrays(L, True)
+    s1, s2 = np.full(N, -1, np.int32), np.full(N, -1, np.int32)
+    n1 = reindex_into(idx, offsets, weights, mean, s1, *a)
+    n2 = reindex_parallel(idx, offsets, weights, mean, s2, P, *b, np.empty(L, np.int64))
+    assert n1 == n2 == len(set(idx.tolist()))
+    assert (s1 == -1).all() and (s2 == -1).all()
+
+    def entries(plan, n):
+        uniq, _, starts, bag, coef = plan
+        return {int(uniq[u]): sorted(zip(bag[starts[u]:starts[u + 1]].tolist(), coef[starts[u]:starts[u + 1]].tolist()))
+                for u in range(n)}
+
+    assert entries(a, n1) == entries(b, n2)
+    assert b[2][n2] == L and (np.diff(b[2][:n2 + 1]) > 0).all()

@@ -1,0 +1,15 @@
+"""numba kernels behind the embedding tables; no Python objects reach them.
+
+* ``rowaccess`` – how a kernel finds a row (``base``/``cache``/``slots`` indirection, prefetch,
+  the ``spec`` tuple that makes the feature size a compile-time constant);
+* ``codecs`` – float32 / bfloat16 / float16 storage, float32 arithmetic;
+* ``intrinsics`` / ``simd`` – ``llvm.prefetch``, bit casts, stack buffers, ``<8 x float>`` ops;
+* ``lookup`` – gather and pooled lookups (chunk functions plus parallel and serial drivers);
+* ``reindex`` – the CSR update plan (histogram, prefix sum, fill), serial or split by row range;
+* ``update`` – fused accumulate-and-apply optimizer kernels;
+* ``ensemble`` – many tables in one parallel region over (table, chunk) work items;
+* ``checks`` – validation scans that run before anything is written.
+
+Every function is ``njit(cache=True)``; drivers are ``parallel=True``; arithmetic kernels use
+``fastmath=True`` (the finiteness check does not, so it can see NaN).
+"""

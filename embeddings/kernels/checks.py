@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .. import config
+
 
 @njit(parallel=True, cache=True)
 def first_out_of_range(idx, n):
@@ -52,3 +54,37 @@ def first_nonfinite_row(x):
         if firsts[c] >= 0:
             return firsts[c]
     return -1
+
+
+@njit(cache=True)
+def first_out_of_range_serial(idx, n):
+    """:func:`first_out_of_range` on the calling thread."""
+    for p in range(idx.size):
+        v = idx[p]
+        if v < 0 or v >= n:
+            return p
+    return -1
+
+
+@njit(cache=True)
+def first_nonfinite_row_serial(x):
+    """:func:`first_nonfinite_row` on the calling thread."""
+    for i in range(x.shape[0]):
+        for k in range(x.shape[1]):
+            if not np.isfinite(x[i, k]):
+                return i
+    return -1
+
+
+def out_of_range(idx: np.ndarray, n: int) -> int:
+    """First bad position (or -1), in parallel only for large inputs."""
+    if idx.size < config.SERIAL_CHECK:
+        return int(first_out_of_range_serial(idx, n))
+    return int(first_out_of_range(idx, n))
+
+
+def nonfinite_row(x: np.ndarray) -> int:
+    """First row with a NaN or inf (or -1), in parallel only for large inputs."""
+    if x.size < config.SERIAL_CHECK:
+        return int(first_nonfinite_row_serial(x))
+    return int(first_nonfinite_row(x))

@@ -12,8 +12,8 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from .lookup import gather_chunk, pooled_chunk
-from .update import update_chunk
+from .lookup import gather_chunk_any, pooled_chunk_any
+from .update import update_chunk_any
 
 
 def pick(xs, t):  # pragma: no cover - numba only
@@ -43,7 +43,7 @@ def ensemble_gather(spec, out3, bases, caches, slotss, codec, idxs, dist, nthrea
     for it in prange(T * C):
         t = it // C
         c = it % C
-        gather_chunk(spec, out3[:, t, :], bases[t], pick(caches, t), pick(slotss, t), codec,
+        gather_chunk_any(spec, out3[:, t, :], bases[t], pick(caches, t), pick(slotss, t), codec,
                      idxs[t], c * B // C, (c + 1) * B // C, dist)
 
 
@@ -58,7 +58,7 @@ def ensemble_pooled(spec, out3, bases, caches, slotss, codec, idxs, offss, ws, m
         t = it // C
         c = it % C
         acc = np.empty(F, np.float32)
-        pooled_chunk(spec, out3[:, t, :], bases[t], pick(caches, t), pick(slotss, t), codec,
+        pooled_chunk_any(spec, out3[:, t, :], bases[t], pick(caches, t), pick(slotss, t), codec,
                      idxs[t], offss[t], ws[t], mean, c * B // C, (c + 1) * B // C, dist, acc)
 
 
@@ -73,7 +73,7 @@ def ensemble_update(spec, bases, caches, slotss, codec, grad3, uniqs, startss, e
         t = it // C
         c = it % C
         U = Us[t]
-        acc = np.empty(F, np.float32)
-        update_chunk(spec, bases[t], pick(caches, t), pick(slotss, t), codec, grad3[:, t, :],
+        heap = np.empty(F, np.float32)
+        update_chunk_any(spec, bases[t], pick(caches, t), pick(slotss, t), codec, grad3[:, t, :],
                      uniqs[t], startss[t], ent_bags[t], ent_coefs[t], opt, lr, eps, states[t], gout,
-                     c * U // C, (c + 1) * U // C, dist, acc)
+                     c * U // C, (c + 1) * U // C, dist, heap)

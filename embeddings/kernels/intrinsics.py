@@ -96,3 +96,37 @@ def f32_to_half(typingctx, x):
         return builder.bitcast(h, ir.IntType(16))
 
     return sig, codegen
+
+
+@intrinsic
+def stack_f32(typingctx, spec):
+    """Pointer to an uninitialised float32[8 * len(spec)] on the caller's stack.
+
+    The buffer is an ``alloca`` in the caller's entry block: LLVM knows it aliases nothing else,
+    so once the loops over it are unrolled it is promoted to vector registers (the register
+    accumulator of the dissertation's kernels).
+    """
+    if not isinstance(spec, types.BaseTuple) or len(spec) == 0:
+        return None
+    n = 8 * len(spec)
+    sig = types.CPointer(types.float32)(spec)
+
+    def codegen(context, builder, signature, args):
+        buf = cgutils.alloca_once(builder, ir.ArrayType(ir.FloatType(), n))
+        return builder.bitcast(buf, ir.FloatType().as_pointer())
+
+    return sig, codegen
+
+
+@intrinsic
+def address_as_pointer(typingctx, addr, like):
+    """Turn an integer byte address into a pointer to ``like``'s element type (an array)."""
+    if not isinstance(addr, types.Integer) or not isinstance(like, types.Array):
+        return None
+    sig = types.CPointer(like.dtype)(addr, like)
+
+    def codegen(context, builder, signature, args):
+        llty = context.get_data_type(like.dtype)
+        return builder.inttoptr(args[0], llty.as_pointer())
+
+    return sig, codegen

@@ -7,9 +7,11 @@ kernels reuse the chunk functions over (table, chunk) work items.
 Performance notes (2-core AVX2 box, 1M-row tables far larger than L3): the gather is bound by
 memory latency, so each chunk keeps a software prefetch ``dist`` index positions ahead of the
 row it is summing (across bag boundaries; positions are contiguous inside a chunk). Rows are
-summed four at a time into a per-chunk float32 accumulator, which quarters the accumulator
-traffic; with a specialised feature size (``spec``) the loops unroll completely. The output row
-is written once, so ``out`` may be any strided float32 view.
+summed four at a time into an accumulator that lives on the stack (so in vector registers once
+LLVM unrolls the loops) when the feature size is specialised, and in a per-thread array
+otherwise. Rows are accessed through raw-pointer views (no reference counting per row). Output
+rows must be contiguous (``out.strides[1] == 4``); the row stride is free, so ``out`` can be a
+column slice of a wider array.
 """
 
 from __future__ import annotations
@@ -17,8 +19,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from numba import types
+from numba.extending import overload
+
 from .codecs import load
-from .rowaccess import featuresize, prefetch_row, row_of
+from .intrinsics import stack_f32
+from .rowaccess import accumulator, featuresize, out_ptr, out_row, prefetch_row, row_of, row_ptr
+from .simd import vadd4, vcopy, vfma, vscale_store, vzero
 
 
 @njit(cache=True, fastmath=True)
@@ -30,8 +37,8 @@ def gather_chunk(spec, out, base, cache, slots, codec, idx, i0, i1, dist):
         ip = i + dist
         if ip < i1:
             prefetch_row(base, cache, slots, idx[ip], nbytes)
-        row = row_of(base, cache, slots, idx[i])
-        o = out[i]
+        row = row_of(base, cache, slots, idx[i], F)
+        o = out_row(out, i, F)
         for k in range(F):
             o[k] = load(codec, row[k])
 
@@ -44,16 +51,18 @@ def _prefetch_ahead(base, cache, slots, idx, j, dist, pend, nbytes):
 
 
 @njit(cache=True, fastmath=True)
-def pooled_chunk(spec, out, base, cache, slots, codec, idx, offsets, weights, mean, b0, b1, dist, acc):
+def pooled_chunk(spec, out, base, cache, slots, codec, idx, offsets, weights, mean, b0, b1, dist, heap):
     """out[b] = (weighted) sum or mean of rows idx[offsets[b]:offsets[b+1]] for b in [b0, b1).
 
-    ``acc`` is a float32 scratch vector (at least featuresize long) owned by the calling thread.
+    ``heap`` is a float32 scratch vector (featuresize long) owned by the calling thread, used as
+    the accumulator when the feature size is not specialised.
     """
     F = featuresize(spec, base)
     nbytes = F * base.itemsize
     pend = offsets[b1]
     has_w = weights.size > 0
     one = np.float32(1.0)
+    acc = accumulator(spec, heap)
     for b in range(b0, b1):
         s = offsets[b]
         e = offsets[b + 1]
@@ -63,10 +72,10 @@ def pooled_chunk(spec, out, base, cache, slots, codec, idx, offsets, weights, me
         while j + 4 <= e:
             for q in range(4):
                 _prefetch_ahead(base, cache, slots, idx, j + q, dist, pend, nbytes)
-            r0 = row_of(base, cache, slots, idx[j])
-            r1 = row_of(base, cache, slots, idx[j + 1])
-            r2 = row_of(base, cache, slots, idx[j + 2])
-            r3 = row_of(base, cache, slots, idx[j + 3])
+            r0 = row_of(base, cache, slots, idx[j], F)
+            r1 = row_of(base, cache, slots, idx[j + 1], F)
+            r2 = row_of(base, cache, slots, idx[j + 2], F)
+            r3 = row_of(base, cache, slots, idx[j + 3], F)
             if has_w:
                 w0 = weights[j]
                 w1 = weights[j + 1]
@@ -82,7 +91,7 @@ def pooled_chunk(spec, out, base, cache, slots, codec, idx, offsets, weights, me
             j += 4
         while j < e:
             _prefetch_ahead(base, cache, slots, idx, j, dist, pend, nbytes)
-            r0 = row_of(base, cache, slots, idx[j])
+            r0 = row_of(base, cache, slots, idx[j], F)
             w0 = weights[j] if has_w else one
             for k in range(F):
                 acc[k] += w0 * load(codec, r0[k])
@@ -90,9 +99,92 @@ def pooled_chunk(spec, out, base, cache, slots, codec, idx, offsets, weights, me
         scale = one
         if mean and e > s:
             scale = one / np.float32(e - s)
-        o = out[b]
+        o = out_row(out, b, F)
         for k in range(F):
             o[k] = acc[k] * scale
+
+
+@njit(cache=True, fastmath=True)
+def gather_chunk_simd(spec, out, base, cache, slots, codec, idx, i0, i1, dist):
+    """:func:`gather_chunk` for float32 rows of a specialised feature size (vector copies)."""
+    nbytes = 8 * len(spec) * 4
+    for i in range(i0, i1):
+        ip = i + dist
+        if ip < i1:
+            prefetch_row(base, cache, slots, idx[ip], nbytes)
+        vcopy(spec, out_ptr(out, i), row_ptr(base, cache, slots, idx[i]))
+
+
+@njit(cache=True, fastmath=True)
+def pooled_chunk_simd(spec, out, base, cache, slots, codec, idx, offsets, weights, mean, b0, b1, dist, heap):
+    """:func:`pooled_chunk` for float32 rows of a specialised feature size: the accumulator is
+    a stack buffer of ``<8 x float>`` vectors that LLVM keeps in registers."""
+    nbytes = 8 * len(spec) * 4
+    pend = offsets[b1]
+    has_w = weights.size > 0
+    one = np.float32(1.0)
+    acc = stack_f32(spec)
+    for b in range(b0, b1):
+        s = offsets[b]
+        e = offsets[b + 1]
+        vzero(spec, acc)
+        j = s
+        if has_w:
+            while j < e:
+                _prefetch_ahead(base, cache, slots, idx, j, dist, pend, nbytes)
+                vfma(spec, acc, row_ptr(base, cache, slots, idx[j]), weights[j])
+                j += 1
+        else:
+            while j + 4 <= e:
+                for q in range(4):
+                    _prefetch_ahead(base, cache, slots, idx, j + q, dist, pend, nbytes)
+                vadd4(spec, acc, row_ptr(base, cache, slots, idx[j]), row_ptr(base, cache, slots, idx[j + 1]),
+                      row_ptr(base, cache, slots, idx[j + 2]), row_ptr(base, cache, slots, idx[j + 3]))
+                j += 4
+            while j < e:
+                _prefetch_ahead(base, cache, slots, idx, j, dist, pend, nbytes)
+                vfma(spec, acc, row_ptr(base, cache, slots, idx[j]), one)
+                j += 1
+        scale = one
+        if mean and e > s:
+            scale = one / np.float32(e - s)
+        vscale_store(spec, out_ptr(out, b), acc, scale)
+
+
+def gather_chunk_any(spec, out, base, cache, slots, codec, idx, i0, i1, dist):  # pragma: no cover
+    """Compile-time choice between the SIMD and the generic gather chunk."""
+    raise NotImplementedError
+
+
+def pooled_chunk_any(spec, out, base, cache, slots, codec, idx, offsets, weights, mean, b0, b1, dist,
+                     heap):  # pragma: no cover
+    """Compile-time choice between the SIMD and the generic pooled chunk."""
+    raise NotImplementedError
+
+
+def _simd(spec, base, codec):
+    return (isinstance(spec, types.BaseTuple) and len(spec) > 0 and base.dtype == types.float32
+            and isinstance(codec, types.Float))
+
+
+@overload(gather_chunk_any)
+def _gather_chunk_any(spec, out, base, cache, slots, codec, idx, i0, i1, dist):
+    f = gather_chunk_simd if _simd(spec, base, codec) else gather_chunk
+
+    def impl(spec, out, base, cache, slots, codec, idx, i0, i1, dist):
+        f(spec, out, base, cache, slots, codec, idx, i0, i1, dist)
+
+    return impl
+
+
+@overload(pooled_chunk_any)
+def _pooled_chunk_any(spec, out, base, cache, slots, codec, idx, offsets, weights, mean, b0, b1, dist, heap):
+    f = pooled_chunk_simd if _simd(spec, base, codec) else pooled_chunk
+
+    def impl(spec, out, base, cache, slots, codec, idx, offsets, weights, mean, b0, b1, dist, heap):
+        f(spec, out, base, cache, slots, codec, idx, offsets, weights, mean, b0, b1, dist, heap)
+
+    return impl
 
 
 @njit(cache=True)
@@ -110,7 +202,7 @@ def gather(spec, out, base, cache, slots, codec, idx, dist, nthreads):
     n = idx.size
     nc = nchunks_for(n, nthreads, 4)
     for c in prange(nc):
-        gather_chunk(spec, out, base, cache, slots, codec, idx, c * n // nc, (c + 1) * n // nc, dist)
+        gather_chunk_any(spec, out, base, cache, slots, codec, idx, c * n // nc, (c + 1) * n // nc, dist)
 
 
 @njit(parallel=True, cache=True, fastmath=True)
@@ -120,6 +212,20 @@ def pooled(spec, out, base, cache, slots, codec, idx, offsets, weights, mean, di
     F = base.shape[1]
     nc = nchunks_for(B, nthreads, 4)
     for c in prange(nc):
-        acc = np.empty(F, np.float32)
-        pooled_chunk(spec, out, base, cache, slots, codec, idx, offsets, weights, mean,
-                     c * B // nc, (c + 1) * B // nc, dist, acc)
+        heap = np.empty(F, np.float32)
+        pooled_chunk_any(spec, out, base, cache, slots, codec, idx, offsets, weights, mean,
+                         c * B // nc, (c + 1) * B // nc, dist, heap)
+
+
+@njit(cache=True, fastmath=True)
+def gather_serial(spec, out, base, cache, slots, codec, idx, dist):
+    """:func:`gather` on the calling thread (small batches: no parallel-region start-up)."""
+    gather_chunk_any(spec, out, base, cache, slots, codec, idx, 0, idx.size, dist)
+
+
+@njit(cache=True, fastmath=True)
+def pooled_serial(spec, out, base, cache, slots, codec, idx, offsets, weights, mean, dist):
+    """:func:`pooled` on the calling thread (small batches: no parallel-region start-up)."""
+    heap = np.empty(base.shape[1], np.float32)
+    pooled_chunk_any(spec, out, base, cache, slots, codec, idx, offsets, weights, mean,
+                     0, offsets.size - 1, dist, heap)

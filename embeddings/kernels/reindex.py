@@ -78,3 +78,85 @@ def reindex_many(idxs, offsetss, weightss, mean, scratches, uniqs, countss, star
     for t in prange(T):
         Us[t] = reindex_into(idxs[t], offsetss[t], weightss[t], mean, scratches[t], uniqs[t],
                              countss[t], startss[t], ent_bags[t], ent_coefs[t])
+
+
+@njit(cache=True, inline="always")
+def _part(r, nvec, P):
+    return (r * P) // nvec
+
+
+@njit(parallel=True, cache=True)
+def reindex_parallel(idx, offsets, weights, mean, scratch, P, uniq, counts, starts, ent_bag, ent_coef, local):
+    """:func:`reindex_into` split over ``P`` threads by row range; returns U.
+
+    Partition ``p`` owns rows ``[p * n / P, (p + 1) * n / P)``: every thread reads all indices
+    (sequential, cheap) but only histograms, numbers and fills the CSR entries of its own rows,
+    so the random accesses to ``scratch`` are shared out with no synchronisation. Partition
+    ``p``'s entries occupy the contiguous range after those of partitions ``< p``; unique rows
+    are numbered partition by partition, in order of first use within each. ``local`` is an
+    int64 scratch array of len(idx) (per-partition unique rows before compaction).
+    """
+    L = idx.size
+    B = offsets.size - 1
+    nvec = scratch.size
+    cnt = np.zeros(P, np.int64)  # positions per partition
+    nu = np.zeros(P, np.int64)  # unique rows per partition
+    for p in prange(P):
+        c = 0
+        for q in range(L):
+            if _part(idx[q], nvec, P) == p:
+                c += 1
+        cnt[p] = c
+    E0 = np.zeros(P + 1, np.int64)
+    for p in range(P):
+        E0[p + 1] = E0[p] + cnt[p]
+    for p in prange(P):
+        base = E0[p]
+        U = 0
+        for q in range(L):
+            r = idx[q]
+            if _part(r, nvec, P) != p:
+                continue
+            u = scratch[r]
+            if u < 0:
+                u = U
+                scratch[r] = U
+                local[base + U] = r
+                counts[base + U] = 0
+                U += 1
+            counts[base + u] += 1
+        nu[p] = U
+    U0 = np.zeros(P + 1, np.int64)
+    for p in range(P):
+        U0[p + 1] = U0[p] + nu[p]
+    has_coef = ent_coef.size > 0
+    has_w = weights.size > 0
+    for p in prange(P):
+        base = E0[p]
+        acc = base
+        for u in range(nu[p]):
+            starts[U0[p] + u] = acc
+            uniq[U0[p] + u] = local[base + u]
+            c = counts[base + u]
+            counts[base + u] = acc
+            acc += c
+        for b in range(B):
+            s = offsets[b]
+            e = offsets[b + 1]
+            scale = np.float32(1.0)
+            if mean and e > s:
+                scale = np.float32(1.0) / np.float32(e - s)
+            for q in range(s, e):
+                r = idx[q]
+                if _part(r, nvec, P) != p:
+                    continue
+                u = scratch[r]
+                pos = counts[base + u]
+                counts[base + u] = pos + 1
+                ent_bag[pos] = b
+                if has_coef:
+                    ent_coef[pos] = (weights[q] * scale) if has_w else scale
+        for u in range(nu[p]):
+            scratch[local[base + u]] = -1
+    starts[U0[P]] = L
+    return U0[P]

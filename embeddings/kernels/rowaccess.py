@@ -23,10 +23,10 @@ when ``spec == ()``. Constant sizes let LLVM fully unroll the inner loops.
 
 from __future__ import annotations
 
-from numba import njit, types
+from numba import carray, njit, types
 from numba.extending import overload
 
-from .intrinsics import prefetch
+from .intrinsics import address_as_pointer, prefetch, stack_f32
 
 LINE = 64
 SPECIALISED = (8, 16, 32, 64, 128, 256)
@@ -46,28 +46,23 @@ def featuresize(spec, base):
     return base.shape[1]
 
 
-def row_of(base, cache, slots, r):  # pragma: no cover - numba only
-    """The storage row holding logical row ``r``."""
+def accumulator(spec, heap):  # pragma: no cover - numba only
+    """A float32 scratch vector of the feature size: on the stack (registers) when ``spec``
+    is specialised, else ``heap`` (a per-thread array)."""
     raise NotImplementedError
+
+
+@overload(accumulator, inline="always")
+def _accumulator(spec, heap):
+    if isinstance(spec, types.BaseTuple) and len(spec) > 0:
+        n = 8 * len(spec)
+        return lambda spec, heap: carray(stack_f32(spec), n)
+    return lambda spec, heap: heap
 
 
 def row_address(base, cache, slots, r):  # pragma: no cover - numba only
     """Byte address of the storage row holding logical row ``r``."""
     raise NotImplementedError
-
-
-@overload(row_of, inline="always")
-def _row_of(base, cache, slots, r):
-    if isinstance(slots, types.NoneType):
-        return lambda base, cache, slots, r: base[r]
-
-    def impl(base, cache, slots, r):
-        s = slots[r]
-        if s >= 0:
-            return cache[s]
-        return base[r]
-
-    return impl
 
 
 @overload(row_address, inline="always")
@@ -85,10 +80,45 @@ def _row_address(base, cache, slots, r):
 
 
 @njit(cache=True, inline="always")
+def row_of(base, cache, slots, r, F):
+    """The storage row holding logical row ``r`` as a length-``F`` array.
+
+    Built from a raw pointer (``carray``), so it carries no reference count: a plain ``base[r]``
+    view would call NRT incref/decref for every row looked up.
+    """
+    return carray(address_as_pointer(row_address(base, cache, slots, r), base), F)
+
+
+@njit(cache=True, inline="always")
+def row_ptr(base, cache, slots, r):
+    """Typed pointer to the storage row holding logical row ``r``."""
+    return address_as_pointer(row_address(base, cache, slots, r), base)
+
+
+@njit(cache=True, inline="always")
+def out_ptr(out, b):
+    """Typed pointer to row ``b`` of a 2-d array."""
+    return address_as_pointer(out.ctypes.data + b * out.strides[0], out)
+
+
+@njit(cache=True, inline="always")
+def out_row(out, b, F):
+    """Row ``b`` of a 2-d array whose rows are contiguous (any row stride), without refcounting."""
+    return carray(address_as_pointer(out.ctypes.data + b * out.strides[0], out), F)
+
+
+@njit(cache=True, inline="always")
 def prefetch_row(base, cache, slots, r, nbytes):
-    """Prefetch every cache line of logical row ``r`` (``nbytes`` long)."""
+    """Prefetch every cache line of logical row ``r`` (``nbytes`` long).
+
+    One prefetch per 64 bytes from the row start (a constant, unrolled count when the feature
+    size is specialised), plus one for the row's last byte when the row is not 64-byte aligned
+    and so straddles one more line (a perfectly predicted branch for a given table).
+    """
     addr = row_address(base, cache, slots, r)
-    first = addr & ~(LINE - 1)
-    last = (addr + nbytes - 1) & ~(LINE - 1)
-    for a in range(first, last + 1, LINE):
-        prefetch(a)
+    off = 0
+    while off < nbytes:
+        prefetch(addr + off)
+        off += LINE
+    if addr & (LINE - 1):
+        prefetch(addr + nbytes - 1)

@@ -14,32 +14,52 @@ only writes ``g`` to ``gout[u]`` (used to inspect gradients and in tests).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import carray, njit, prange
+
+from numba.extending import overload
 
 from .codecs import load, store
-from .lookup import nchunks_for
-from .rowaccess import featuresize, prefetch_row, row_of
+from .intrinsics import prefetch, stack_f32
+from .lookup import _simd, nchunks_for
+from .rowaccess import accumulator, featuresize, out_ptr, out_row, prefetch_row, row_of, row_ptr
+from .simd import vcopy, vfma, vzero
 
 SGD = 0
 ADAGRAD = 1
 GRADIENT = 2
 
 
+@njit(cache=True, inline="always")
+def _prefetch_grad(grad, ent_bag, starts, u, gbytes):
+    """Prefetch the gradient rows of unique row ``u`` (at most two: the common cases)."""
+    q0 = starts[u]
+    q1 = min(starts[u + 1], q0 + 2)
+    for q in range(q0, q1):
+        a = grad.ctypes.data + ent_bag[q] * grad.strides[0]
+        off = 0
+        while off < gbytes:
+            prefetch(a + off)
+            off += 64
+
+
 @njit(cache=True, fastmath=True)
 def update_chunk(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, ent_coef,
-                 opt, lr, eps, state, gout, u0, u1, dist, acc):
-    """Apply the optimizer to unique rows ``uniq[u0:u1]``."""
+                 opt, lr, eps, state, gout, u0, u1, dist, heap):
+    """Apply the optimizer to unique rows ``uniq[u0:u1]`` (``heap``: scratch, as in lookups)."""
     F = featuresize(spec, base)
+    acc = accumulator(spec, heap)
     nbytes = F * base.itemsize
+    gbytes = F * 4
     has_coef = ent_coef.size > 0
     lr32 = np.float32(lr)
     for u in range(u0, u1):
         if u + dist < u1:
             prefetch_row(base, cache, slots, uniq[u + dist], nbytes)
+            _prefetch_grad(grad, ent_bag, starts, u + dist, gbytes)
         for k in range(F):
             acc[k] = 0.0
         for q in range(starts[u], starts[u + 1]):
-            g = grad[ent_bag[q]]
+            g = out_row(grad, ent_bag[q], F)
             if has_coef:
                 c = ent_coef[q]
                 for k in range(F):
@@ -49,11 +69,11 @@ def update_chunk(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, e
                     acc[k] += g[k]
         r = uniq[u]
         if opt == GRADIENT:
-            o = gout[u]
+            o = out_row(gout, u, F)
             for k in range(F):
                 o[k] = acc[k]
             continue
-        row = row_of(base, cache, slots, r)
+        row = row_of(base, cache, slots, r, F)
         mult = lr32
         if opt == ADAGRAD:
             g2 = np.float32(0.0)
@@ -66,6 +86,59 @@ def update_chunk(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, e
             row[k] = store(codec, load(codec, row[k]) - mult * acc[k])
 
 
+@njit(cache=True, fastmath=True)
+def update_chunk_simd(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, ent_coef,
+                      opt, lr, eps, state, gout, u0, u1, dist, heap):
+    """:func:`update_chunk` for float32 rows of a specialised size (register accumulator)."""
+    F = 8 * len(spec)
+    nbytes = F * 4
+    gbytes = nbytes
+    has_coef = ent_coef.size > 0
+    lr32 = np.float32(lr)
+    one = np.float32(1.0)
+    acc = stack_f32(spec)
+    accv = carray(acc, F)
+    for u in range(u0, u1):
+        if u + dist < u1:
+            prefetch_row(base, cache, slots, uniq[u + dist], nbytes)
+            _prefetch_grad(grad, ent_bag, starts, u + dist, gbytes)
+        vzero(spec, acc)
+        for q in range(starts[u], starts[u + 1]):
+            vfma(spec, acc, out_ptr(grad, ent_bag[q]), ent_coef[q] if has_coef else one)
+        r = uniq[u]
+        if opt == GRADIENT:
+            vcopy(spec, out_ptr(gout, u), acc)
+            continue
+        mult = lr32
+        if opt == ADAGRAD:
+            g2 = np.float32(0.0)
+            for k in range(F):
+                g2 += accv[k] * accv[k]
+            st = state[r] + g2 / np.float32(F)
+            state[r] = st
+            mult = lr32 / (np.sqrt(st) + np.float32(eps))
+        vfma(spec, row_ptr(base, cache, slots, r), acc, -mult)
+
+
+def update_chunk_any(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, ent_coef,
+                     opt, lr, eps, state, gout, u0, u1, dist, heap):  # pragma: no cover
+    """Compile-time choice between the SIMD and the generic update chunk."""
+    raise NotImplementedError
+
+
+@overload(update_chunk_any)
+def _update_chunk_any(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, ent_coef,
+                      opt, lr, eps, state, gout, u0, u1, dist, heap):
+    f = update_chunk_simd if _simd(spec, base, codec) else update_chunk
+
+    def impl(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, ent_coef,
+             opt, lr, eps, state, gout, u0, u1, dist, heap):
+        f(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, ent_coef,
+          opt, lr, eps, state, gout, u0, u1, dist, heap)
+
+    return impl
+
+
 @njit(parallel=True, cache=True, fastmath=True)
 def apply_update(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, ent_coef, U,
                  opt, lr, eps, state, gout, dist, nthreads):
@@ -73,6 +146,15 @@ def apply_update(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, e
     F = base.shape[1]
     nc = nchunks_for(U, nthreads, 4)
     for c in prange(nc):
-        acc = np.empty(F, np.float32)
-        update_chunk(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, ent_coef,
-                     opt, lr, eps, state, gout, c * U // nc, (c + 1) * U // nc, dist, acc)
+        heap = np.empty(F, np.float32)
+        update_chunk_any(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, ent_coef,
+                     opt, lr, eps, state, gout, c * U // nc, (c + 1) * U // nc, dist, heap)
+
+
+@njit(cache=True, fastmath=True)
+def apply_update_serial(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, ent_coef, U,
+                        opt, lr, eps, state, gout, dist):
+    """:func:`apply_update` on the calling thread (small updates)."""
+    heap = np.empty(base.shape[1], np.float32)
+    update_chunk_any(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, ent_coef,
+                     opt, lr, eps, state, gout, 0, U, dist, heap)

@@ -1,0 +1,248 @@
+"""Embedding kernels against torch and numpy: same run, same data, same threads.
+
+Cases: tables of --rows rows (default 1,000,000), feature sizes 16/64/256, batch 16384, 1 and
+40 lookups per bag, uniform and Zipf(1) indices (LFSR-scrambled). For each case:
+
+* lookup: ``embeddings.lookup_into`` vs ``torch.nn.functional.embedding_bag(mode="sum")`` vs a
+  numpy gather + sum;
+* update: ``embeddings.pullback`` with SGD (reindex + fused update) vs ``nn.EmbeddingBag(sparse=True)``
+  backward + ``torch.optim.SGD.step`` (forward excluded) vs numpy ``np.add.at``.
+
+All runs of one case are interleaved round by round, so a noisy neighbour slows all of them
+alike; times are medians. Bytes are the table rows read (k * batch * featuresize * 4), compared
+with the sequential read bandwidth measured at the start of the same run. Prints a table and
+writes JSON (default results/embeddings.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numba  # noqa: E402
+import numpy as np  # noqa: E402
+from numba import njit, prange  # noqa: E402
+
+import embeddings as E  # noqa: E402
+from embeddings import distributions as D  # noqa: E402
+
+
+@njit(parallel=True, cache=True, fastmath=True)
+def _read_sum(a, nthreads):
+    n = a.size
+    part = np.zeros(nthreads * 8, np.float32)
+    for c in prange(nthreads):
+        s0 = np.float32(0)
+        s1 = np.float32(0)
+        s2 = np.float32(0)
+        s3 = np.float32(0)
+        lo = c * n // nthreads
+        hi = (c + 1) * n // nthreads
+        i = lo
+        while i + 4 <= hi:
+            s0 += a[i]
+            s1 += a[i + 1]
+            s2 += a[i + 2]
+            s3 += a[i + 3]
+            i += 4
+        while i < hi:
+            s0 += a[i]
+            i += 1
+        part[c * 8] = (s0 + s1) + (s2 + s3)
+    return part.sum()
+
+
+def read_bandwidth(nbytes: int, repeats: int, nthreads: int) -> float:
+    """Sequential read bandwidth in GB/s (median over repeats) with ``nthreads`` threads."""
+    a = np.ones(nbytes // 4, np.float32)
+    _read_sum(a, nthreads)
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        _read_sum(a, nthreads)
+        ts.append(time.perf_counter() - t0)
+    return a.nbytes / float(np.median(ts)) / 1e9
+
+
+def aligned_table(rows: int, F: int, seed: int, align: int = 64) -> np.ndarray:
+    """A standard-normal float32 table whose rows start on ``align``-byte boundaries (as
+    CachedArrays regions do); numpy's own large buffers start 16 bytes past a page, which makes
+    every 64-byte row straddle two cache lines for torch and for us alike."""
+    nbytes = rows * F * 4
+    raw = np.empty(nbytes + align, np.uint8)
+    off = (-raw.ctypes.data) % align
+    t = raw[off:off + nbytes].view(np.float32).reshape(rows, F)
+    rng = np.random.default_rng(seed)
+    for i in range(0, rows, 1 << 18):
+        t[i:i + (1 << 18)] = rng.standard_normal((min(1 << 18, rows - i), F), dtype=np.float32)
+    return t
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+def interleaved(fns: dict, repeats: int, skip: dict | None = None) -> dict:
+    """Median seconds of each function, timed round-robin. ``fns[name] = (setup, run)``."""
+    skip = skip or {}
+    times: dict[str, list[float]] = {n: [] for n in fns}
+    for name, (setup, run) in fns.items():  # warm-up (compiles, first touch)
+        setup()
+        run()
+    for r in range(repeats):
+        for name, (setup, run) in fns.items():
+            if r >= skip.get(name, repeats):
+                continue
+            setup()
+            t0 = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t0)
+    return {n: float(np.median(v)) for n, v in times.items()}
+
+
+def lookup_case(torch, table, tt, idx, offsets, B, k, F, repeats, numpy_repeats):
+    t = E.SimpleEmbedding(table)
+    out = np.empty((B, F), np.float32)
+    flat_t = torch.from_numpy(idx)
+    starts_t = torch.from_numpy(offsets[:-1])
+    if k == 1:
+        ours = lambda: E.lookup_into(out, t, idx)  # noqa: E731  (non-reducing)
+        ref = table[idx]
+    else:
+        ours = lambda: E.lookup_into(out, t, idx, offsets)  # noqa: E731
+        ref = None
+    fns = {
+        "ours": (lambda: None, ours),
+        "torch": (lambda: None, lambda: torch.nn.functional.embedding_bag(flat_t, tt, starts_t, mode="sum")),
+        "numpy": (lambda: None, lambda: table[idx].reshape(B, k, F).sum(1)),
+    }
+    res = interleaved(fns, repeats, {"numpy": numpy_repeats})
+    got = torch.nn.functional.embedding_bag(flat_t, tt, starts_t, mode="sum").numpy()
+    ours()
+    assert np.allclose(out, got, rtol=1e-4, atol=1e-4), "ours and torch disagree"
+    if ref is not None:
+        assert np.array_equal(out, ref)
+    return res
+
+
+def update_case(torch, table, tt, idx, offsets, B, k, F, repeats, numpy_repeats, lr=0.01):
+    t = E.SimpleEmbedding(table)
+    rng = np.random.default_rng(1)
+    grad = rng.standard_normal((B, F)).astype(np.float32)
+    grad_t = torch.from_numpy(grad)
+    bag = torch.nn.EmbeddingBag.from_pretrained(tt, freeze=False, mode="sum", sparse=True)
+    assert bag.weight.data_ptr() == tt.data_ptr()  # same memory as ours
+    opt = torch.optim.SGD(bag.parameters(), lr=lr)
+    flat_t = torch.from_numpy(idx)
+    starts_t = torch.from_numpy(offsets[:-1])
+    state = {}
+
+    def torch_setup():
+        opt.zero_grad(set_to_none=True)
+        state["y"] = bag(flat_t, starts_t)
+
+    def torch_run():
+        state["y"].backward(grad_t)
+        opt.step()
+
+    rep = np.repeat(grad, k, axis=0) * np.float32(-lr)
+    fns = {
+        "ours": (lambda: None, lambda: E.pullback(t, grad, idx, offsets, optimizer=E.SGD(lr))),
+        "torch": (torch_setup, torch_run),
+        "numpy": (lambda: None, lambda: np.add.at(table, idx, rep)),
+    }
+    return interleaved(fns, repeats, {"numpy": numpy_repeats})
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small fast run (100k rows, batch 2048, 3 repeats)")
+    p.add_argument("--rows", type=int, default=1_000_000)
+    p.add_argument("--batch", type=int, default=16384)
+    p.add_argument("--features", type=int, nargs="+", default=[16, 64, 256])
+    p.add_argument("--lookups", type=int, nargs="+", default=[1, 40])
+    p.add_argument("--dists", nargs="+", default=["uniform", "zipf"], choices=["uniform", "zipf"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--numpy-repeats", type=int, default=3)
+    p.add_argument("--no-update", action="store_true", help="skip the update cases")
+    p.add_argument("--out", default=str(ROOT / "results" / "embeddings.json"))
+    a = p.parse_args(argv)
+    if a.quick:
+        a.rows, a.batch, a.repeats, a.numpy_repeats = 100_000, 2048, 3, 1
+
+    import torch  # benchmark baseline only; embeddings/ never imports torch
+
+    numba.set_num_threads(a.threads)
+    torch.set_num_threads(a.threads)
+    load0 = _loadavg()
+    bw = read_bandwidth(256 << 20 if a.quick else 1 << 30, 5, a.threads)
+    print(f"threads={a.threads} rows={a.rows} batch={a.batch}  read bandwidth {bw:.1f} GB/s "
+          f"(numba {numba.__version__}, torch {torch.__version__}); load average before: {load0}")
+    hdr = (f"{'op':7} {'dist':8} {'F':>4} {'k':>3} {'ours ms':>9} {'torch ms':>9} {'numpy ms':>9} "
+           f"{'ns/row':>7} {'GB/s':>6} {'%bw':>5} {'ours/torch':>10}")
+    print(hdr)
+    print("-" * len(hdr))
+    rows = []
+    for F in a.features:
+        table = aligned_table(a.rows, F, seed=F)
+        tt = torch.from_numpy(table)
+        for k in a.lookups:
+            offsets = np.arange(0, a.batch * k + 1, k, dtype=np.int64)
+            for dist in a.dists:
+                n = a.batch * k
+                if dist == "uniform":
+                    idx = D.uniform(a.rows, n, seed=F * 100 + k)
+                else:
+                    idx = D.zipf(a.rows, n, 1.0, seed=F * 100 + k)
+                ops = [("lookup", lookup_case)] + ([] if a.no_update else [("update", update_case)])
+                for op, fn in ops:
+                    res = fn(torch, table, tt, idx, offsets, a.batch, k, F, a.repeats, a.numpy_repeats)
+                    nbytes = n * F * 4
+                    gbs = nbytes / res["ours"] / 1e9
+                    row = dict(op=op, dist=dist, featuresize=F, lookups=k, batch=a.batch, rows=a.rows,
+                               ours_s=res["ours"], torch_s=res["torch"], numpy_s=res["numpy"],
+                               ns_per_row=res["ours"] / n * 1e9, gb_s=gbs, frac_bw=gbs / bw,
+                               ours_over_torch=res["ours"] / res["torch"])
+                    rows.append(row)
+                    print(f"{op:7} {dist:8} {F:>4} {k:>3} {res['ours'] * 1e3:9.2f} {res['torch'] * 1e3:9.2f} "
+                          f"{res['numpy'] * 1e3:9.1f} {row['ns_per_row']:7.2f} {gbs:6.2f} {gbs / bw * 100:5.0f} "
+                          f"{row['ours_over_torch']:10.2f}", flush=True)
+        del table, tt
+    look = [r for r in rows if r["op"] == "lookup"]
+    upd = [r for r in rows if r["op"] == "update"]
+    targets = {
+        "lookup_never_slower_than_torch": all(r["ours_over_torch"] <= 1.0 for r in look),
+        "lookup_1.3x_faster_in_half": sum(r["ours_over_torch"] <= 1 / 1.3 for r in look) * 2 >= len(look),
+        "update_4x_faster_than_torch": bool(upd) and all(r["ours_over_torch"] <= 0.25 for r in upd),
+        "pooled_f256_at_70pct_bw": all(r["frac_bw"] >= 0.7 for r in look
+                                       if r["featuresize"] == 256 and r["lookups"] > 1 and r["dist"] == "uniform"),
+    }
+    load1 = _loadavg()
+    print(f"load average after: {load1} (on {os.cpu_count()} CPUs; other processes make 2-thread "
+          "parallel regions wait for a core, which inflates every time above)")
+    print("targets: " + ", ".join(f"{n}={'met' if v else 'MISSED'}" for n, v in targets.items()))
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(
+        machine=dict(platform=platform.platform(), cpus=os.cpu_count(), threads=a.threads,
+                     numba=numba.__version__, torch=torch.__version__, numpy=np.__version__),
+        read_bandwidth_gb_s=bw, loadavg_before=load0, loadavg_after=load1, args=vars(a), results=rows, targets=targets), indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

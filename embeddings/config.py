@@ -1,0 +1,10 @@
+"""Tuning thresholds, read at call time (tests lower them to exercise the parallel kernels).
+
+A numba parallel region costs tens of microseconds to start on an idle machine and can cost
+milliseconds when the cores are shared, so small batches run on the calling thread, and cheap streaming passes (input validation) run
+serially up to a few MB, which keeps the number of parallel regions per call low.
+"""
+
+SERIAL_WORK = 1 << 16  # floats touched by a lookup/update: below this, run serially
+SERIAL_CHECK = 1 << 21  # elements validated: below this, check serially (a streaming scan)
+PARALLEL_REINDEX_MIN = 1 << 16  # indices: below this one thread reindexes
