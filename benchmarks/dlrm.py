@@ -20,7 +20,10 @@ What it measures, and how:
    labels drawn from a hidden teacher, Zipf indices), 200 steps of the Kaggle architecture with
    tables capped at 100k rows, batch 1024, lr 0.1. Target: the 20-step moving averages differ
    by less than 0.01 everywhere (float32 summation order is the only difference).
-3. Policies on (b) with Zipf(1) indices: samples/s and the time per phase (lookup, dense
+   The torch step is also timed without its embedding work (pooled embeddings precomputed), which
+   splits both implementations into embedding work and dense work.
+3. Policies on (b) with Zipf(1) indices, all built side by side and run in alternating rounds:
+   samples/s and the time per phase (lookup, dense
    forward+backward, embedding update, dense update, cache flush) for ``dram``, ``simple``
    (tables in PM) and, when ``embeddings.cached.CachedEmbeddings`` exists, ``static`` and
    ``dynamic`` with 10% of each table cacheable, as in the dissertation's Figure 5.12. The PM
@@ -124,11 +127,22 @@ def compare(shape: dict, steps: int, rounds: int, lr: float = 0.01) -> dict:
                         tt.step(tbs[j])
                         theirs.append(time.perf_counter() - t)
         phases = {k: 1e3 * v / len(ours) for k, v in model.timer.table().items()}
+        # torch without its embedding work (precomputed pooled embeddings): splits its step in two
+        dense_only = []
+        lys = [tt.pooled(tb) for tb in tbs]
+        tt.dense_only_step(tbs[0], lys[0])
+        for s in range(max(3, steps)):
+            j = s % len(tbs)
+            t = time.perf_counter()
+            tt.dense_only_step(tbs[j], lys[j])
+            dense_only.append(time.perf_counter() - t)
+        del lys
         B = shape["B"]
         res = {"label": shape["label"], "batch": B, "ours_step_s": statistics.median(ours),
                "torch_step_s": statistics.median(theirs), "ours_samples_s": B / statistics.median(ours),
                "torch_samples_s": B / statistics.median(theirs), "ours_steps": ours, "torch_steps": theirs,
-               "ours_phase_ms": phases, "setup_s": setup, "target": shape["target"]}
+               "ours_phase_ms": phases, "setup_s": setup, "target": shape["target"],
+               "torch_dense_only_step_s": statistics.median(dense_only)}
         res["ratio"] = res["ours_samples_s"] / res["torch_samples_s"]
         del tt, model, tbs
         m.close()
@@ -158,37 +172,61 @@ def loss_curves(quick: bool, steps: int) -> dict:
             "torch_last": float(np.mean(theirs[-w:])), "ok": bool(diff < 0.01 and np.mean(ours[-w:]) < np.mean(ours[:w]))}
 
 
-def policies(shape: dict, steps: int) -> list[dict]:
+def policies(shape: dict, steps: int, rounds: int) -> list[dict]:
+    """Every available policy built side by side, then ``rounds`` rounds in which each policy runs
+    ``steps`` steps (order alternating), so that the machine's load drifts over all of them."""
+    from contextlib import ExitStack
+
     from dlrm.placement import available_policies, flush, hitrate
 
-    out = []
     batches = data_for(shape, "zipf", 3)
-    for policy in available_policies():
-        with tempfile.TemporaryDirectory() as tmp:
+    runs = {}
+    with ExitStack() as stack:
+        for policy in available_policies():
+            tmp = stack.enter_context(tempfile.TemporaryDirectory())
             m, model = build(shape, policy, tmp, 0.01)
+            stack.callback(m.close)
             model.warmup(batches[0])
             m.telemetry_data.reset()
             model.timer.reset()
-            times = []
-            for s in range(steps):
-                t = time.perf_counter()
-                model.train_step(batches[s % len(batches)])
-                times.append(time.perf_counter() - t)
+            runs[policy] = (m, model, [])
+        names = list(runs)
+        for r in range(rounds):
+            for policy in (names if r % 2 == 0 else names[::-1]):
+                _, model, times = runs[policy]
+                for s in range(steps):
+                    t = time.perf_counter()
+                    model.train_step(batches[(r * steps + s) % len(batches)])
+                    times.append(time.perf_counter() - t)
+        out = []
+        for policy, (m, model, times) in runs.items():
             with model.timer("cache flush"):
                 for t in model.tables:
                     flush(t)
             tele = m.telemetry()
             rates = [hitrate(t) for t in model.tables]
-            rates = [r for r in rates if r is not None]
-            out.append({"policy": policy, "samples_s": shape["B"] / statistics.median(times),
-                        "phase_ms": {k: 1e3 * v / steps for k, v in model.timer.table().items()},
+            rates = [x for x in rates if x is not None]
+            n = len(times)
+            out.append({"policy": policy, "samples_s": shape["B"] / statistics.median(times), "steps": times,
+                        "phase_ms": {k: 1e3 * v / n for k, v in model.timer.table().items()},
                         "hitrate": float(np.mean(rates)) if rates else None,
                         "bytes_moved": tele["bytes_moved"],
                         "peak": {k: v["high_water"] for k, v in tele["occupancy"].items()}})
-            del model
-            m.close()
-        gc.collect()
+        runs.clear()
+    gc.collect()
     return out
+
+
+def split_row(r: dict) -> list:
+    ph = r["ours_phase_ms"]
+    ours_emb = ph.get("lookup", 0) + ph.get("embedding update", 0)
+    ours_dense = ph.get("dense fwd+bwd", 0) + ph.get("dense update", 0)
+    torch_dense = 1e3 * r["torch_dense_only_step_s"]
+    torch_emb = max(0.0, 1e3 * r["torch_step_s"] - torch_dense)
+    r["split_ms"] = {"ours_embeddings": ours_emb, "torch_embeddings": torch_emb, "ours_dense": ours_dense,
+                     "torch_dense": torch_dense}
+    return [r["label"][:3], f"{ours_emb:.1f}", f"{torch_emb:.1f}", f"{torch_emb / max(ours_emb, 1e-9):.2f}x",
+            f"{ours_dense:.1f}", f"{torch_dense:.1f}", f"{torch_dense / max(ours_dense, 1e-9):.2f}x"]
 
 
 def main(argv=None) -> dict:
@@ -217,6 +255,9 @@ def main(argv=None) -> dict:
     if rows:
         print_table("training throughput, tables in DRAM, uniform indices (median step; data generation excluded)",
                     ["shape", "batch", "ours samples/s", "torch samples/s", "ratio", "target", ""], rows)
+        print_table("where the time goes (ms per step; torch split by timing its step without embeddings)",
+                    ["shape", "ours embeddings", "torch embeddings", "ratio", "ours dense", "torch dense", "ratio"],
+                    [split_row(results[k]) for k in ("a", "b") if k in results])
         for key in ("a", "b"):
             if key in results:
                 ph = results[key]["ours_phase_ms"]
@@ -230,7 +271,7 @@ def main(argv=None) -> dict:
                       f"{lc['max_abs_diff_moving_avg']:.5f}", verdict(lc["ok"])]])
     if "policies" not in skip:
         shp = dict(sh["b"])
-        pol = policies(shp, 3 if q else 6)
+        pol = policies(shp, 1 if q else 2, 2 if q else 4)
         results["policies"] = pol
         names = ["lookup", "dense fwd+bwd", "embedding update", "dense update", "cache flush"]
         prow = []

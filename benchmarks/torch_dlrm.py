@@ -43,10 +43,18 @@ class TorchDLRM(nn.Module):
 
     def forward(self, dense: torch.Tensor, indices: Sequence[torch.Tensor],
                 offsets: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        h = self.bottom(dense)
+        ly = [e(i, o) for e, i, o in zip(self.emb, indices, offsets)]
+        return self.from_embeddings(h, ly)
+
+    def bottom(self, dense: torch.Tensor) -> torch.Tensor:
         h = dense
         for lin in self.bot:
             h = torch.relu(lin(h))
-        ly = [e(i, o) for e, i, o in zip(self.emb, indices, offsets)]
+        return h
+
+    def from_embeddings(self, h: torch.Tensor, ly: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Interaction and top MLP from the bottom output ``h`` and the pooled embeddings ``ly``."""
         if self.interaction == "dot":
             T = torch.stack([h] + ly, dim=1)
             Z = torch.bmm(T, T.transpose(1, 2))
@@ -86,10 +94,28 @@ class TorchTrainer:
                 offs.append(torch.arange(x.size, dtype=torch.int64))
         return torch.from_numpy(batch.dense), idx, offs, torch.from_numpy(batch.labels)
 
+    def dense_only_step(self, tb, ly: Sequence[torch.Tensor]) -> float:
+        """The step without any embedding work: ``ly`` are precomputed pooled embeddings (leaf
+        tensors); forward, backward and SGD of the MLPs only (tables get no gradient)."""
+        dense, _, _, y = tb
+        self.opt.zero_grad(set_to_none=True)
+        for t in ly:
+            t.grad = None
+        loss = self.loss_fn(self.model.from_embeddings(self.model.bottom(dense), ly), y)
+        loss.backward()
+        self.opt.step()
+        return float(loss.detach())
+
+    def pooled(self, tb) -> list[torch.Tensor]:
+        """Pooled embeddings of a converted batch as leaf tensors requiring grad (for dense_only_step)."""
+        _, idx, offs, _ = tb
+        with torch.no_grad():
+            return [e(i, o).requires_grad_() for e, i, o in zip(self.model.emb, idx, offs)]
+
     def step(self, tb) -> float:
         dense, idx, offs, y = tb
         self.opt.zero_grad(set_to_none=True)
         loss = self.loss_fn(self.model(dense, idx, offs), y)
         loss.backward()
         self.opt.step()
-        return float(loss)
+        return float(loss.detach())
