@@ -159,7 +159,7 @@ def make_tables(sizes: Sequence[int], featuresize: int, policy: str, manager: Ma
 
 def table_array(t: EmbeddingTable) -> CachedArray | np.ndarray:
     """The full (base) array of a table, for checkpoints and tests."""
-    for attr in ("base", "data"):
+    for attr in ("base_array", "base", "data"):
         x = getattr(t, attr, None)
         if x is not None:
             return x
@@ -167,8 +167,8 @@ def table_array(t: EmbeddingTable) -> CachedArray | np.ndarray:
 
 
 def read_table(t: EmbeddingTable) -> np.ndarray:
-    """A copy of the table's current contents (dirty cached rows flushed first)."""
-    flush(t)
+    """A copy of the table's current contents (every cached row written back first)."""
+    flush(t, full=True)
     x = table_array(t)
     if isinstance(x, CachedArray):
         with readable(x) as a:
@@ -177,8 +177,9 @@ def read_table(t: EmbeddingTable) -> np.ndarray:
 
 
 def write_table(t: EmbeddingTable, values: np.ndarray) -> None:
-    """Overwrite the table's contents (for ``--load``); cached tables are flushed and reset first."""
-    flush(t)
+    """Overwrite the table's contents (for ``--load``); a cached table is emptied first (so no
+    stale cached row survives) and told through ``invalidate()`` when it has one."""
+    flush(t, full=True)
     x = table_array(t)
     if isinstance(x, CachedArray):
         with writable(x) as a:
@@ -190,10 +191,19 @@ def write_table(t: EmbeddingTable, values: np.ndarray) -> None:
         reset()
 
 
-def flush(t: EmbeddingTable) -> None:
+def flush(t: EmbeddingTable, full: bool = False) -> None:
+    """Write back a cached table's dirty rows: down to its own lower bound (the end-of-run *cache
+    flush* phase) or, with ``full``, every cached row (before reading or replacing the base)."""
     f = getattr(t, "flush_dirty", None)
-    if f is not None:
-        f()
+    if f is None:
+        return
+    if full:
+        try:
+            f(0)
+            return
+        except TypeError:
+            pass
+    f()
 
 
 def hitrate(t: EmbeddingTable) -> float | None:

@@ -40,7 +40,8 @@ def test_training_learns_the_teacher_and_reports_everything(tmp_path, capsys):
     assert (tmp_path / "p_loss.png").stat().st_size > 1000 and (tmp_path / "p_phases.png").stat().st_size > 1000
 
 
-@pytest.mark.parametrize("policy,optimizer", [("dram", "adagrad"), ("simple", "sgd")])
+@pytest.mark.parametrize("policy,optimizer", [("dram", "adagrad"), ("simple", "sgd")]
+                         + [(p, "sgd") for p in available_policies() if p in ("static", "dynamic")])
 def test_resume_from_checkpoint_continues_with_identical_losses(tmp_path, policy, optimizer):
     common = ["--policy", policy, "--optimizer", optimizer, "--num-indices-per-lookup", "4",
               "--num-indices-per-lookup-fixed", "False", "--test-freq", "0"]
