@@ -247,7 +247,7 @@ def main(argv=None) -> dict:
     for key in ("a", "b"):
         if key in skip:
             continue
-        r = compare(sh[key], steps=2 if q else 3, rounds=2 if q else 4)
+        r = compare(sh[key], steps=2, rounds=2 if q else 8)
         results[key] = r
         rows.append([r["label"], r["batch"], f"{r['ours_samples_s']:.0f}", f"{r['torch_samples_s']:.0f}",
                      f"{r['ratio']:.2f}x", f">= {r['target']}x", verdict(r["ratio"] >= r["target"])])

@@ -183,8 +183,15 @@ def run(args) -> dict:
         evals: list[dict] = []
         B = args.mini_batch_size
 
+        ntest = args.test_num_batches
+        if hasattr(data, "nbatches"):  # a data set: never evaluate a held-out batch twice
+            ntest = min(ntest, data.nbatches("test"))
+
         def evaluate(step: int) -> None:
-            e = model.evaluate(data.batch(j, "test") for j in range(args.test_num_batches))
+            if ntest <= 0:
+                tqdm.write(f"test at step {step}: no held-out batch (need {B} held-out samples)")
+                return
+            e = model.evaluate(data.batch(j, "test") for j in range(ntest))
             e["step"] = step
             evals.append(e)
             tqdm.write(f"test at step {step}: loss {e['loss']:.5f}  accuracy {e['accuracy']:.4f}  "
