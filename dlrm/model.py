@@ -1,0 +1,145 @@
+"""The DLRM model: embedding tables (any ``embeddings`` table type) plus the jitted dense part.
+
+One training step (:meth:`DLRM.train_step`):
+
+1. *lookup*: ``Ensemble.lookup_into`` writes every table's pooled rows straight into the
+   ``(batch, tables, featuresize)`` array that is the interaction input;
+2. *dense forward+backward*: one jitted JAX call gives the loss, the logits, the dense gradients
+   and the gradient of the interaction input with respect to the embedding outputs;
+3. *embedding update*: ``Ensemble.pullback`` with the fused sparse optimizer (SGD or row-wise
+   Adagrad) turns that gradient into row updates, no dense table gradient ever exists;
+4. *dense update*: jitted SGD of the MLP weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from embeddings import SGD, Ensemble, RowwiseAdagrad
+from embeddings.protocol import EmbeddingTable
+
+from .data.batch import Batch
+from .dense import DLRMConfig, init_dense, make_grad_step, make_predict, sgd_update, to_device, to_numpy
+from .metrics import PhaseTimer, accuracy, bce, roc_auc
+
+
+GROUP_SIZE = 8
+
+
+def _part(xs, a, b):
+    return None if xs is None else xs[a:b]
+
+
+@dataclass
+class StepResult:
+    loss: float
+    logits: np.ndarray
+
+
+def _aligned_empty(shape: tuple[int, ...], align: int = 64) -> np.ndarray:
+    """A float32 array whose data starts on an ``align``-byte boundary (zero-copy into JAX)."""
+    n = int(np.prod(shape))
+    raw = np.empty(n * 4 + align, np.uint8)
+    off = (-raw.ctypes.data) % align
+    return raw[off:off + n * 4].view(np.float32).reshape(shape)
+
+
+class DLRM:
+    """``DLRM(config, tables, optimizer="sgd"|"adagrad", lr=0.01, seed=0)``.
+
+    ``tables`` are embedding tables (``SimpleEmbedding``, ``placement.ManagedEmbedding``,
+    ``CachedEmbeddings``, ...) with ``config.table_sizes`` rows and ``config.featuresize`` columns.
+    """
+
+    def __init__(self, config: DLRMConfig, tables: Sequence[EmbeddingTable], *, optimizer: str = "sgd",
+                 lr: float = 0.01, seed: int = 0, params: dict | None = None, timer: PhaseTimer | None = None,
+                 group_size: int = GROUP_SIZE):
+        if len(tables) != config.ntables:
+            raise ValueError(f"config has {config.ntables} tables, got {len(tables)}")
+        for t, n in zip(tables, config.table_sizes):
+            if t.nvectors() != n or t.featuresize() != config.featuresize:
+                raise ValueError(f"table {t.name}: {t.nvectors()} x {t.featuresize()}, "
+                                 f"expected {n} x {config.featuresize}")
+        if optimizer not in ("sgd", "adagrad"):
+            raise ValueError(f"optimizer must be 'sgd' or 'adagrad', got {optimizer!r}")
+        self.config = config
+        self.tables = list(tables)
+        # numba compiles the ensemble kernels once per number of tables (tuples are unrolled), and
+        # that compile time grows much faster than linearly: groups of at most `group_size` tables
+        # keep a 26-table model at two compiled variants of seconds each instead of one of minutes.
+        g = max(1, int(group_size))
+        self.groups = [(a, min(a + g, len(self.tables))) for a in range(0, len(self.tables), g)]
+        self.ensembles = [Ensemble(self.tables[a:b]) for a, b in self.groups]
+        self.lr = float(lr)
+        self.optimizer = optimizer
+        self.table_opt = SGD(self.lr) if optimizer == "sgd" else RowwiseAdagrad(self.lr)
+        self.params = to_device(init_dense(config, seed) if params is None else params)
+        self._grad = make_grad_step(config.interaction)
+        self._predict = make_predict(config.interaction)
+        self.timer = timer if timer is not None else PhaseTimer()
+        self._buf: np.ndarray | None = None
+
+    # ------------------------------------------------------------------ steps
+    def lookup(self, batch: Batch) -> np.ndarray:
+        """The (batch, tables, featuresize) interaction input of ``batch``'s sparse features."""
+        shape = (len(batch), self.config.ntables, self.config.featuresize)
+        if self._buf is None or self._buf.shape != shape:
+            self._buf = _aligned_empty(shape)
+        for (a, b), ens in zip(self.groups, self.ensembles):
+            ens.lookup_into(self._buf[:, a:b, :], batch.indices[a:b], _part(batch.offsets, a, b))
+        return self._buf
+
+    def _pullback(self, grad: np.ndarray, batch: Batch) -> None:
+        for (a, b), ens in zip(self.groups, self.ensembles):
+            ens.pullback(grad[:, a:b, :], batch.indices[a:b], _part(batch.offsets, a, b), optimizer=self.table_opt)
+
+    def train_step(self, batch: Batch) -> StepResult:
+        tm = self.timer
+        with tm("lookup"):
+            emb = self.lookup(batch)
+        with tm("dense fwd+bwd"):
+            loss, p, g, gemb = jax.block_until_ready(self._grad(self.params, batch.dense, emb, batch.labels))
+        with tm("embedding update"):
+            self._pullback(np.asarray(gemb), batch)
+        with tm("dense update"):
+            self.params = jax.block_until_ready(sgd_update(self.params, g, np.float32(self.lr)))
+        return StepResult(float(loss), np.asarray(p))
+
+    def warmup(self, batch: Batch) -> None:
+        """Compile every kernel and jitted function on ``batch`` without changing any weight
+        (a zero table gradient and a zero dense gradient are applied), so timings start warm."""
+        emb = self.lookup(batch)
+        loss, p, g, gemb = jax.block_until_ready(self._grad(self.params, batch.dense, emb, batch.labels))
+        zero = np.zeros(np.shape(gemb), np.float32)
+        zero.flags.writeable = False  # read-only like the gradient JAX hands back: same kernel variant
+        self._pullback(zero, batch)
+        zeros = jax.tree.map(jnp.zeros_like, g)
+        self.params = jax.block_until_ready(sgd_update(self.params, zeros, np.float32(self.lr)))
+        self._predict(self.params, batch.dense, emb).block_until_ready()
+
+    def predict(self, batch: Batch) -> np.ndarray:
+        """Logits (before the sigmoid) for ``batch``; no weights change."""
+        emb = self.lookup(batch)
+        return np.asarray(self._predict(self.params, batch.dense, emb))
+
+    def evaluate(self, batches: Iterable[Batch]) -> dict:
+        """Loss, accuracy and ROC AUC over held-out ``batches``."""
+        logits, labels = [], []
+        for b in batches:
+            logits.append(self.predict(b))
+            labels.append(b.labels)
+        p = np.concatenate(logits) if logits else np.zeros(0, np.float32)
+        y = np.concatenate(labels) if labels else np.zeros(0, np.float32)
+        return {"loss": bce(p, y), "accuracy": accuracy(p, y), "auc": roc_auc(p, y), "samples": int(y.size)}
+
+    # ------------------------------------------------------------------ state
+    def dense_numpy(self) -> dict:
+        return to_numpy(self.params)
+
+    def set_dense(self, params: dict) -> None:
+        self.params = to_device(params)

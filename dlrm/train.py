@@ -1,0 +1,266 @@
+"""``python -m dlrm.train``: train DLRM on synthetic or Criteo data with tables placed by a policy.
+
+Flags follow the public reference DLRM (``dlrm_s_pytorch.py``) where they exist; ours are
+``--policy``, ``--cache-fraction``, ``--fast-capacity``, ``--pm-path``, ``--threads``,
+``--report``, ``--plot``, ``--save`` and ``--load``. The defaults train a small model on
+synthetic data with a hidden teacher in about a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from . import checkpoint
+from .dense import DLRMConfig
+from .metrics import accuracy
+from .placement import POLICIES, available_policies, flush, hitrate, make_tables, table_devices
+
+DEFAULTS = dict(sizes="100000-50000-20000-10000-5000-2000-1000-500", bot="13-512-256-64-16", top="512-256-1")
+
+
+def parse_dashes(s: str, what: str) -> list[int]:
+    try:
+        out = [int(v) for v in str(s).split("-") if v != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what} must be dash-separated integers like 1000-2000, got {s!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"{what} must be positive integers, got {s!r}")
+    return out
+
+
+def str2bool(v) -> bool:
+    if isinstance(v, bool):
+        return v
+    if str(v).lower() in ("1", "true", "yes", "y", "on"):
+        return True
+    if str(v).lower() in ("0", "false", "no", "n", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {v!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dlrm.train", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a = p.add_argument_group("model (reference DLRM names)")
+    a.add_argument("--arch-sparse-feature-size", type=int, default=16, help="embedding dimension")
+    a.add_argument("--arch-embedding-size", default=DEFAULTS["sizes"], help="rows per table, dash-separated")
+    a.add_argument("--arch-mlp-bot", default=DEFAULTS["bot"], help="dense input size, then bottom layers (last = feature size)")
+    a.add_argument("--arch-mlp-top", default=DEFAULTS["top"], help="top layers after the interaction (last = 1)")
+    a.add_argument("--arch-interaction-op", choices=("dot", "cat"), default="dot")
+    t = p.add_argument_group("training")
+    t.add_argument("--mini-batch-size", type=int, default=512)
+    t.add_argument("--num-batches", type=int, default=600, help="batches per epoch (0: the whole data set)")
+    t.add_argument("--nepochs", type=int, default=1)
+    t.add_argument("--learning-rate", type=float, default=0.1)
+    t.add_argument("--optimizer", choices=("sgd", "adagrad"), default="sgd",
+                   help="embedding tables: fused SGD or row-wise Adagrad; dense weights always use SGD")
+    t.add_argument("--seed", type=int, default=0)
+    d = p.add_argument_group("data")
+    d.add_argument("--data-generation", choices=("random", "dataset"), default="random",
+                   help="random: synthetic data with a hidden teacher; dataset: Criteo Kaggle format")
+    d.add_argument("--raw-data-file", default=None, help="Criteo text file(s), plain or gzip, comma-separated")
+    d.add_argument("--processed-data-file", default=None, help="preprocessed binary file (written from the raw file if given)")
+    d.add_argument("--max-ind-range", type=int, default=-1, help="hash categoricals modulo this (<=0: dictionary ids)")
+    d.add_argument("--strict-data", action="store_true", help="a malformed input line is fatal instead of skipped")
+    d.add_argument("--test-fraction", type=float, default=0.1, help="held-out fraction of a data set")
+    d.add_argument("--num-indices-per-lookup", type=int, default=1)
+    d.add_argument("--num-indices-per-lookup-fixed", type=str2bool, nargs="?", const=True, default=True,
+                   help="exactly k indices per bag (else 1..k)")
+    d.add_argument("--index-distribution", choices=("uniform", "zipf"), default="zipf")
+    d.add_argument("--zipf-alpha", type=float, default=1.0)
+    d.add_argument("--test-num-batches", type=int, default=8, help="held-out batches per evaluation")
+    o = p.add_argument_group("output")
+    o.add_argument("--print-freq", type=int, default=100)
+    o.add_argument("--test-freq", type=int, default=200, help="evaluate every N batches (0: only at the end)")
+    o.add_argument("--report", default=None, help="write a JSON report here")
+    o.add_argument("--plot", default=None, help="draw PREFIX_loss.png and PREFIX_phases.png")
+    o.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    o.add_argument("--save", default=None, help="write a checkpoint here at the end")
+    o.add_argument("--load", default=None, help="resume from this checkpoint (continues at its step)")
+    m = p.add_argument_group("memory (ours)")
+    m.add_argument("--policy", choices=POLICIES, default="dram",
+                   help="dram: tables in DRAM; simple: tables in PM; static/dynamic: CachedEmbeddings")
+    m.add_argument("--cache-fraction", type=float, default=0.1, help="static/dynamic: cached rows per table")
+    m.add_argument("--fast-capacity", default="auto", help="DRAM heap size (auto: what the policy needs)")
+    m.add_argument("--slow-capacity", default="auto", help="PM heap size (auto: the tables plus slack)")
+    m.add_argument("--pm-path", default=None, help="directory or file for the PM heap (default: a temp dir)")
+    m.add_argument("--threads", type=int, default=0, help="numba threads (0: all cores)")
+    return p
+
+
+def make_manager(args, table_bytes: int, featuresize: int):
+    from cachedarrays import DRAM, PM, LRUPolicy, Manager, parse_size
+
+    slack = 64 << 20
+    if args.fast_capacity == "auto":
+        if args.policy == "dram":
+            fast = table_bytes + slack
+        elif args.policy in ("static", "dynamic"):
+            fast = int(2 * args.cache_fraction * table_bytes) + slack
+        else:
+            fast = slack
+    else:
+        fast = parse_size(args.fast_capacity)
+    slow = table_bytes + slack if args.slow_capacity == "auto" else parse_size(args.slow_capacity)
+    return Manager(DRAM(fast), PM(args.pm_path, slow), policy=LRUPolicy())
+
+
+def open_data(args, cfg_bottom: list[int]):
+    """(data source, table sizes, dense dim)."""
+    if args.data_generation == "dataset":
+        from .data.criteo import CriteoDataset, preprocess
+
+        path = args.processed_data_file
+        if args.raw_data_file:
+            raws = args.raw_data_file.split(",")
+            path = path or raws[0] + ".dlrm.bin"
+            rep = preprocess(raws, path, max_ind_range=max(0, args.max_ind_range), strict=args.strict_data)
+            print(f"preprocessed -> {path}: {rep.summary()}", file=sys.stderr)
+        if not path:
+            raise SystemExit("error: --data-generation dataset needs --raw-data-file or --processed-data-file")
+        ds = CriteoDataset(path, args.mini_batch_size, args.test_fraction)
+        return ds, ds.table_sizes, ds.dense_dim
+    from .data.synthetic import SyntheticData
+
+    sizes = parse_dashes(args.arch_embedding_size, "--arch-embedding-size")
+    ds = SyntheticData(sizes, cfg_bottom[0], args.mini_batch_size, num_indices=args.num_indices_per_lookup,
+                       fixed=args.num_indices_per_lookup_fixed, distribution=args.index_distribution,
+                       alpha=args.zipf_alpha, seed=args.seed)
+    return ds, sizes, cfg_bottom[0]
+
+
+def run(args) -> dict:
+    """Train as ``args`` say; returns the report dict (also written to ``--report``)."""
+    from tqdm import tqdm
+
+    if args.threads > 0:
+        import numba
+        numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
+    from .data.loader import Prefetcher
+    from .model import DLRM
+    from .report import format_summary, plot_run, summarize
+
+    bottom = parse_dashes(args.arch_mlp_bot, "--arch-mlp-bot")
+    top = parse_dashes(args.arch_mlp_top, "--arch-mlp-top")
+    data, sizes, dense_dim = open_data(args, bottom)
+    if bottom[0] != dense_dim:
+        raise SystemExit(f"error: --arch-mlp-bot starts with {bottom[0]} but the data has {dense_dim} dense features")
+    F = args.arch_sparse_feature_size
+    try:
+        cfg = DLRMConfig(sizes, F, bottom, top, args.arch_interaction_op)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    if args.policy not in available_policies():
+        raise SystemExit(f"error: --policy {args.policy}: CachedEmbeddings not available (embeddings.cached); "
+                         f"choose from {', '.join(available_policies())}")
+    table_bytes = sum(sizes) * F * 4
+    per_epoch = args.num_batches if args.num_batches > 0 else getattr(data, "nbatches", lambda s: 0)("train")
+    if per_epoch <= 0:
+        raise SystemExit("error: --num-batches must be positive for synthetic data (or the data set is too small)")
+    total = per_epoch * args.nepochs
+
+    with make_manager(args, table_bytes, F) as manager:
+        t0 = time.perf_counter()
+        tables = make_tables(sizes, F, args.policy, manager, args.cache_fraction, args.seed)
+        model = DLRM(cfg, tables, optimizer=args.optimizer, lr=args.learning_rate, seed=args.seed)
+        start = 0
+        if args.load:
+            start = int(checkpoint.load(args.load, model)["step"])
+        model.warmup(data.batch(start % per_epoch if args.data_generation == "dataset" else start))
+        setup = time.perf_counter() - t0
+        print(f"DLRM: {len(sizes)} tables ({sum(sizes)} rows x {F}, {table_bytes / 2**20:.1f} MiB) policy={args.policy} "
+              f"on {', '.join(sorted(set(table_devices(tables))))}; bottom {'-'.join(map(str, bottom))}, "
+              f"top {'-'.join(map(str, cfg.top_sizes))}, {args.arch_interaction_op} interaction; "
+              f"batches {start}..{total} of {args.mini_batch_size}; setup and compilation {setup:.1f} s", file=sys.stderr)
+        manager.telemetry_data.reset()
+        losses: list[tuple[int, float]] = []
+        evals: list[dict] = []
+        B = args.mini_batch_size
+
+        ntest = args.test_num_batches
+        if hasattr(data, "nbatches"):  # a data set: never evaluate a held-out batch twice
+            ntest = min(ntest, data.nbatches("test"))
+
+        def evaluate(step: int) -> None:
+            if ntest <= 0:
+                tqdm.write(f"test at step {step}: no held-out batch (need {B} held-out samples)")
+                return
+            e = model.evaluate(data.batch(j, "test") for j in range(ntest))
+            e["step"] = step
+            evals.append(e)
+            tqdm.write(f"test at step {step}: loss {e['loss']:.5f}  accuracy {e['accuracy']:.4f}  "
+                       f"AUC {e['auc']:.4f}  ({e['samples']} samples)")
+
+        wall0 = time.perf_counter()
+        eval_seconds = 0.0
+        win_t, win_loss, win_acc, win_n = time.perf_counter(), 0.0, 0.0, 0
+        loader = Prefetcher(lambda i: data.batch(i % per_epoch if args.data_generation == "dataset" else i),
+                            start, total)
+        bar = tqdm(total=total, initial=start, disable=args.no_progress, unit="batch", dynamic_ncols=True,
+                   file=sys.stderr)
+        try:
+            for i, batch in loader:
+                r = model.train_step(batch)
+                losses.append((i + 1, r.loss))
+                win_loss += r.loss
+                win_acc += accuracy(r.logits, batch.labels)
+                win_n += 1
+                bar.update(1)
+                if win_n and (i + 1) % max(1, args.print_freq) == 0:
+                    dt = time.perf_counter() - win_t
+                    tqdm.write(f"step {i + 1}/{total}: loss {win_loss / win_n:.5f}  accuracy {win_acc / win_n:.4f}  "
+                               f"{win_n * B / dt:.0f} samples/s")
+                    win_t, win_loss, win_acc, win_n = time.perf_counter(), 0.0, 0.0, 0
+                if not args.no_progress and (i + 1) % 10 == 0:
+                    el = time.perf_counter() - wall0 - eval_seconds
+                    bar.set_postfix(loss=f"{r.loss:.4f}", samples_s=f"{(i + 1 - start) * B / max(el, 1e-9):.0f}")
+                if args.test_freq > 0 and (i + 1) % args.test_freq == 0 and i + 1 < total:
+                    te = time.perf_counter()
+                    evaluate(i + 1)
+                    eval_seconds += time.perf_counter() - te
+        finally:
+            bar.close()
+            loader.close()
+        model.timer.add("data loading", loader.wait_seconds)
+        with model.timer("cache flush"):
+            for t in tables:
+                flush(t)
+        wall = time.perf_counter() - wall0 - eval_seconds
+        evaluate(total)
+        steps = total - start
+        tinfo = [{"name": t.name, "rows": t.nvectors(), "device": dev, "hitrate": hitrate(t)}
+                 for t, dev in zip(tables, table_devices(tables))]
+        summary = summarize(model.timer.table(), steps, steps * B, wall, manager.telemetry(), tinfo)
+        print(format_summary(summary))
+        if args.save:
+            checkpoint.save(args.save, model, total, extra={"policy": args.policy})
+            print(f"checkpoint written to {args.save} (step {total})", file=sys.stderr)
+        report = {"args": {k: v for k, v in vars(args).items()}, "config": {
+            "table_sizes": list(cfg.table_sizes), "featuresize": F, "bottom": list(cfg.bottom),
+            "top": list(cfg.top_sizes), "interaction": cfg.interaction},
+            "start_step": start, "losses": losses, "evals": evals, "summary": summary}
+        if args.report:
+            os.makedirs(os.path.dirname(os.path.abspath(args.report)), exist_ok=True)
+            with open(args.report, "w") as f:
+                json.dump(report, f, indent=1, default=float)
+        if args.plot:
+            paths = plot_run(args.plot, losses, evals, summary["phases_seconds"], steps,
+                             title=f"DLRM ({args.policy})")
+            print("plots: " + ", ".join(paths), file=sys.stderr)
+        del model, tables
+        return report
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    return run(args)
+
+
+if __name__ == "__main__":
+    main()

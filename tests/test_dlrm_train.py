@@ -1,0 +1,120 @@
+"""The training script end to end: learning on synthetic data, checkpoint and resume with
+identical losses, Criteo files (gzip, malformed lines) through preprocessing to training, the
+report and plots, and the demo's fallback."""
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+import dlrm  # noqa: F401
+from dlrm import train
+from dlrm.placement import available_policies
+
+TINY = ["--arch-embedding-size", "50-200-30-1000", "--arch-sparse-feature-size", "4",
+        "--arch-mlp-bot", "6-16-4", "--arch-mlp-top", "16-1", "--mini-batch-size", "64",
+        "--print-freq", "5", "--test-num-batches", "4", "--no-progress", "--fast-capacity", "8MiB",
+        "--slow-capacity", "8MiB"]
+
+
+def run(tmp_path, *extra):
+    return train.main(TINY + ["--pm-path", str(tmp_path)] + list(extra))
+
+
+def test_training_learns_the_teacher_and_reports_everything(tmp_path, capsys):
+    rep = run(tmp_path, "--num-batches", "150", "--learning-rate", "0.2", "--test-freq", "50",
+              "--num-indices-per-lookup", "3", "--report", str(tmp_path / "r.json"), "--plot", str(tmp_path / "p"))
+    assert rep["evals"][-1]["auc"] > 0.7  # the hidden teacher is learnable
+    assert rep["evals"][-1]["loss"] < rep["evals"][0]["loss"] + 0.02
+    assert [e["step"] for e in rep["evals"]] == [50, 100, 150]
+    assert len(rep["losses"]) == 150
+    out = capsys.readouterr()
+    for phase in ("data loading", "lookup", "dense fwd+bwd", "embedding update", "dense update", "cache flush"):
+        assert phase in out.out
+    assert "bytes moved between devices" in out.out and "peak memory per device: DRAM" in out.out
+    assert "step 150/150: loss" in out.out and "AUC" in out.out
+    on_disk = json.loads((tmp_path / "r.json").read_text())
+    assert on_disk["summary"]["steps"] == 150 and on_disk["summary"]["samples_per_second"] > 0
+    assert on_disk["summary"]["peak_memory"]["DRAM"] >= (50 + 200 + 30 + 1000) * 4 * 4  # dram policy
+    assert (tmp_path / "p_loss.png").stat().st_size > 1000 and (tmp_path / "p_phases.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("policy,optimizer", [("dram", "adagrad"), ("simple", "sgd")]
+                         + [(p, "sgd") for p in available_policies() if p in ("static", "dynamic")])
+def test_resume_from_checkpoint_continues_with_identical_losses(tmp_path, policy, optimizer):
+    common = ["--policy", policy, "--optimizer", optimizer, "--num-indices-per-lookup", "4",
+              "--num-indices-per-lookup-fixed", "False", "--test-freq", "0"]
+    straight = run(tmp_path / "a", *common, "--num-batches", "12")
+    ck = str(tmp_path / "ck.npz")
+    first = run(tmp_path / "b", *common, "--num-batches", "6", "--save", ck)
+    resumed = run(tmp_path / "c", *common, "--num-batches", "12", "--load", ck)
+    assert resumed["start_step"] == 6
+    assert first["losses"] == straight["losses"][:6]
+    assert [s for s, _ in resumed["losses"]] == list(range(7, 13))
+    assert resumed["losses"] == straight["losses"][6:]  # bit-identical continuation
+    assert resumed["evals"][-1]["loss"] == straight["evals"][-1]["loss"]
+
+
+def test_checkpoint_of_another_architecture_is_refused(tmp_path):
+    ck = str(tmp_path / "ck.npz")
+    run(tmp_path / "a", "--num-batches", "2", "--save", ck)
+    with pytest.raises(ValueError, match="different architecture"):
+        train.main(TINY[:1] + ["50-200-30-999"] + TINY[2:] + ["--pm-path", str(tmp_path / "b"),
+                                                                 "--num-batches", "3", "--load", ck])
+
+
+def criteo_text(n, seed=0, bad_every=0):
+    rng = np.random.default_rng(seed)
+    lines = []
+    for i in range(n):
+        if bad_every and i % bad_every == bad_every - 1:
+            lines.append("1\tnot-enough-fields\n")
+            continue
+        w = rng.standard_normal(13)
+        ints = rng.integers(-2, 50, 13)
+        cats = [f"{int(rng.integers(0, 40)) * 7919:08x}" for _ in range(26)]
+        label = int(rng.random() < 1 / (1 + np.exp(-(ints[:3].sum() / 40.0 - 1 + 0.1 * w[0]))))
+        fields = [str(label)] + ["" if rng.random() < 0.05 else str(v) for v in ints] + cats
+        lines.append("\t".join(fields) + "\n")
+    return "".join(lines)
+
+
+def test_criteo_gzip_file_trains_end_to_end(tmp_path, capsys):
+    raw = tmp_path / "day_0.gz"
+    with gzip.open(raw, "wt") as f:
+        f.write(criteo_text(700, bad_every=100))
+    rep = train.main(["--data-generation", "dataset", "--raw-data-file", str(raw), "--processed-data-file",
+                      str(tmp_path / "day_0.bin"), "--arch-sparse-feature-size", "4", "--arch-mlp-bot", "13-8-4",
+                      "--arch-mlp-top", "8-1", "--mini-batch-size", "32", "--num-batches", "0", "--nepochs", "2",
+                      "--test-num-batches", "2", "--test-freq", "0", "--no-progress", "--pm-path", str(tmp_path),
+                      "--policy", "simple"])
+    err = capsys.readouterr().err
+    assert "7 malformed lines skipped" in err and "day_0.gz:100: expected 40 tab-separated fields" in err
+    assert rep["config"]["table_sizes"] and len(rep["config"]["table_sizes"]) == 26
+    assert max(rep["config"]["table_sizes"]) <= 40
+    n_train = 693 - int(693 * 0.1)
+    assert len(rep["losses"]) == 2 * (n_train // 32)
+    assert np.isfinite(rep["evals"][-1]["loss"])
+    with pytest.raises(ValueError, match="day_0.gz:100"):
+        train.main(["--data-generation", "dataset", "--raw-data-file", str(raw), "--processed-data-file",
+                    str(tmp_path / "strict.bin"), "--strict-data", "--no-progress"])
+
+
+def test_unavailable_policy_and_bad_flags_exit_with_a_message(tmp_path):
+    if "static" not in available_policies():
+        with pytest.raises(SystemExit, match="CachedEmbeddings not available"):
+            run(tmp_path, "--policy", "static", "--num-batches", "1")
+    with pytest.raises(SystemExit, match="feature size"):
+        train.main(["--arch-mlp-bot", "13-8-5", "--no-progress", "--num-batches", "1"])
+
+
+def test_demo_runs_and_prints_the_summary(tmp_path, capsys):
+    from dlrm import demo
+
+    demo.main(["--arch-embedding-size", "100-200", "--num-batches", "5", "--mini-batch-size", "32",
+               "--no-progress", "--test-freq", "0", "--pm-path", str(tmp_path)])
+    out = capsys.readouterr().out
+    if "dynamic" not in available_policies():
+        assert "runs the 'simple' policy" in out
+    assert "embedding update" in out and "peak memory per device" in out
