@@ -26,37 +26,14 @@ CA_MODES = ("ca0", "caL", "caLM", "caLMP")
 MIN_PM = 16 << 20
 
 
-class _CollectOnSlowOnly:
-    """Run the garbage collector only when the *slow* device passes ``collect_at``.
-
-    Workaround: the core `Policy._fast_region` also calls ``_maybe_collect(self.fast)``,
-    and a fast device used as a cache is always above 80 % full, so every
-    allocation ran ``gc.collect()`` (tens of ms with JAX loaded): a tiny model's
-    iteration took seconds.  Table 4.7 asks for the collection when the PM heap
-    reaches 80 %, which is what this does.
-    """
-
-    def _maybe_collect(self, device) -> None:
-        if device is self.slow:
-            super()._maybe_collect(device)
-
-
-class TwoLevelCache(_CollectOnSlowOnly, TwoLevelCachePolicy):
-    """`TwoLevelCachePolicy` collecting at 80 % of the slow device only."""
-
-
-class LRUCollectOnSlow(_CollectOnSlowOnly, LRUPolicy):
-    """`LRUPolicy` collecting at ``collect_at`` of the slow device only."""
-
-
 def make_policy(mode: str) -> Policy:
     """The policy of ``mode`` (see the module table)."""
     if mode == "dram":
         return LRUPolicy(local_alloc=True, honor_frees=True, prefetch=True)
     if mode == "2lm":
-        return TwoLevelCache(collect_at=0.8)
+        return TwoLevelCachePolicy(collect_at=0.8)
     if mode == "ca0":
-        return LRUCollectOnSlow(local_alloc=False, honor_frees=False, prefetch=False, collect_at=0.8)
+        return LRUPolicy(local_alloc=False, honor_frees=False, prefetch=False, collect_at=0.8)
     if mode == "caL":
         return LRUPolicy(local_alloc=True, honor_frees=False, prefetch=False)
     if mode == "caLM":
