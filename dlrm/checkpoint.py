@@ -1,5 +1,5 @@
 """Checkpoints: dense weights, every table's rows, optimizer state and the step counter in one
-``.npz`` file. Cached tables are flushed before their base arrays are read."""
+``.npz`` file. Cached tables write their rows back (keeping them cached) before their base arrays are read."""
 
 from __future__ import annotations
 

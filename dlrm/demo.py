@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import sys
 
-from .placement import available_policies
 
 DEMO_ARGS = [
     "--arch-embedding-size", "400000-200000-100000-50000-20000-10000-5000-1000",
@@ -29,10 +28,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     policy = "dynamic"
-    if "dynamic" not in available_policies():
-        policy = "simple"
-        print("note: CachedEmbeddings (embeddings.cached) is not available yet, so this demo runs the "
-              "'simple' policy (every table read and updated in PM) instead of 'dynamic'.", flush=True)
     print(f"DLRM demo: synthetic Zipf data, policy {policy}, DRAM heap + PM heap file in a temporary directory",
           flush=True)
     return train.main(DEMO_ARGS + ["--policy", policy] + argv)

@@ -26,6 +26,7 @@ from embeddings.protocol import EmbeddingTable
 from .data.batch import Batch
 from .dense import DLRMConfig, init_dense, make_grad_step, make_predict, sgd_update, to_device, to_numpy
 from .metrics import PhaseTimer, accuracy, bce, roc_auc
+from .placement import make_room
 
 
 GROUP_SIZE = 8
@@ -52,7 +53,7 @@ def _aligned_empty(shape: tuple[int, ...], align: int = 64) -> np.ndarray:
 class DLRM:
     """``DLRM(config, tables, optimizer="sgd"|"adagrad", lr=0.01, seed=0)``.
 
-    ``tables`` are embedding tables (``SimpleEmbedding``, ``placement.ManagedEmbedding``,
+    ``tables`` are embedding tables (``SimpleEmbedding``, ``CachedEmbeddings``,
     ``CachedEmbeddings``, ...) with ``config.table_sizes`` rows and ``config.featuresize`` columns.
     """
 
@@ -100,6 +101,9 @@ class DLRM:
 
     def train_step(self, batch: Batch) -> StepResult:
         tm = self.timer
+        with tm("cache flush"):
+            for t in self.tables:
+                make_room(t)
         with tm("lookup"):
             emb = self.lookup(batch)
         with tm("dense fwd+bwd"):

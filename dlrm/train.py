@@ -19,7 +19,7 @@ import numpy as np
 from . import checkpoint
 from .dense import DLRMConfig
 from .metrics import accuracy
-from .placement import POLICIES, available_policies, flush, hitrate, make_tables, table_devices
+from .placement import POLICIES, flush, hitrate, make_tables, table_devices
 
 DEFAULTS = dict(sizes="100000-50000-20000-10000-5000-2000-1000-500", bot="13-512-256-64-16", top="512-256-1")
 
@@ -156,9 +156,6 @@ def run(args) -> dict:
         cfg = DLRMConfig(sizes, F, bottom, top, args.arch_interaction_op)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    if args.policy not in available_policies():
-        raise SystemExit(f"error: --policy {args.policy}: CachedEmbeddings not available (embeddings.cached); "
-                         f"choose from {', '.join(available_policies())}")
     table_bytes = sum(sizes) * F * 4
     per_epoch = args.num_batches if args.num_batches > 0 else getattr(data, "nbatches", lambda s: 0)("train")
     if per_epoch <= 0:

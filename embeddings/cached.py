@@ -114,6 +114,12 @@ class CachedEmbeddings(EmbeddingTable):
             rows = np.asarray(hot, dtype=np.int64).ravel()
             if rows.size and (rows.min() < 0 or rows.max() >= self.nvectors()):
                 raise IndexError(f"{self.name}: hot rows must be in [0, {self.nvectors()})")
+        self._hot = rows
+        self._refill()
+
+    def _refill(self) -> None:
+        rows = self._hot
+        limit = int(self.state[K.LIMIT])
         t0 = time.perf_counter()
         before = int(self.counts[2])
         K.access_and_cache_serial(self._base, self._cache, self._ptr, self._backedge, self._ref, self.state,
@@ -235,6 +241,28 @@ class CachedEmbeddings(EmbeddingTable):
             self.rows_written_back += written
             self.manager.account(self.manager.fast, self.manager.slow, written * self._rowbytes,
                                  time.perf_counter() - t0)
+
+    def writeback(self) -> None:
+        """Copy every cached row back to the base table and keep it cached (e.g. before a checkpoint)."""
+        if self.policy == "simple" or not self._dirty:
+            return
+        t0 = time.perf_counter()
+        written = int(K.write_back_live(self._base, self._cache, self._backedge, self.state))
+        self._dirty = False
+        self.rows_written_back += written
+        if written:
+            self.manager.account(self.manager.fast, self.manager.slow, written * self._rowbytes,
+                                 time.perf_counter() - t0)
+
+    def invalidate(self) -> None:
+        """Drop every cached row without writing it back, after the base table was replaced
+        (e.g. by loading a checkpoint); a static table then caches its hot set again."""
+        if self.policy == "simple":
+            return
+        self._dirty = False
+        self.flush_clean(0)
+        if self.policy == "static":
+            self._refill()
 
     def _account_cached(self, rows: int, seconds: float) -> None:
         if rows:

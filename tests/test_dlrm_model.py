@@ -2,9 +2,8 @@
 
 The reference below is written independently of ``dlrm.dense``: embeddings as dense ``(rows, F)``
 matrices gathered and segment-summed, interaction by explicit (i, j) pairs, loss as
-``-y log s - (1-y) log(1-s)``, updates applied by hand. Every placement policy that exists in
-this checkout is tested (``available_policies()``: dram and simple, plus static and dynamic
-as soon as ``embeddings.cached.CachedEmbeddings`` exists).
+``-y log s - (1-y) log(1-s)``, updates applied by hand. Every placement policy is tested
+(dram, simple, static, dynamic).
 """
 
 import jax
@@ -17,7 +16,7 @@ from cachedarrays import DRAM, PM, LRUPolicy, Manager
 from dlrm import DLRM, DLRMConfig, make_tables
 from dlrm.data import SyntheticData
 from dlrm.dense import init_dense
-from dlrm.placement import available_policies, read_table, table_devices
+from dlrm.placement import POLICIES, read_table, table_devices
 
 SIZES = (7, 13, 50, 4)
 F = 4
@@ -78,7 +77,7 @@ CASES = [("single", "dot", "sgd"), ("fixed", "dot", "sgd"), ("variable", "dot", 
          ("fixed", "cat", "sgd"), ("variable", "dot", "adagrad"), ("single", "cat", "adagrad")]
 
 
-@pytest.mark.parametrize("policy", available_policies())
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("bags,interaction,optimizer", CASES)
 def test_one_step_matches_pure_jax_reference(tmp_path, policy, bags, interaction, optimizer):
     cfg = DLRMConfig(SIZES, F, (5, 8, F), (6, 1), interaction)
@@ -115,7 +114,7 @@ def test_every_policy_gives_the_same_losses_over_several_steps(tmp_path):
     cfg = DLRMConfig(SIZES, F, (5, 8, F), (6, 1))
     data = SyntheticData(SIZES, 5, 32, num_indices=2, distribution="zipf", seed=4)
     curves = {}
-    for k, policy in enumerate(available_policies()):
+    for k, policy in enumerate(POLICIES):
         with make_manager(tmp_path / str(k)) as m:
             model = DLRM(cfg, make_tables(SIZES, F, policy, m, cache_fraction=0.3, seed=1), lr=0.3, seed=1)
             curves[policy] = [model.train_step(data.batch(i)).loss for i in range(6)]
@@ -150,15 +149,10 @@ def test_config_checks():
     assert DLRMConfig((10, 20, 30), 8, (13, 8), (4, 1), "cat").interaction_dim == 32
 
 
-def test_cached_policies_without_cached_embeddings_fail_clearly(tmp_path):
-    from dlrm.placement import cached_embeddings_class
-
+def test_unknown_policy_or_cache_fraction_is_refused(tmp_path):
     with make_manager(tmp_path) as m:
-        if cached_embeddings_class() is None:
-            with pytest.raises(RuntimeError, match="CachedEmbeddings not available"):
-                make_tables(SIZES, F, "static", m)
-        else:
-            assert len(make_tables(SIZES, F, "static", m)) == len(SIZES)
+        with pytest.raises(ValueError, match="cache_fraction"):
+            make_tables(SIZES, F, "static", m, cache_fraction=1.5)
         with pytest.raises(ValueError, match="policy"):
             make_tables(SIZES, F, "hbm", m)
 

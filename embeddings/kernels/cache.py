@@ -150,6 +150,23 @@ def flush_page(base, cache, ptr, backedge, ref, state, stop, writeback, second_c
     return written
 
 
+@njit(parallel=True, cache=True)
+def write_back_live(base, cache, backedge, state):
+    """Copy every live cached row back to the base table, keeping it cached; returns the count."""
+    tail = state[TAIL]
+    ring = state[RING]
+    F = base.shape[1]
+    written = 0
+    for p in prange(state[HEAD] - tail):
+        s = (tail + p) % ring
+        r = backedge[s]
+        if r >= 0:
+            for j in range(F):
+                base[r, j] = cache[s, j]
+            written += 1
+    return written
+
+
 @njit(cache=True)
 def access_and_cache_serial(base, cache, ptr, backedge, ref, state, idx, counts):
     """Single-threaded `access_and_cache` (same protocol): the static policy's one-time fill."""
