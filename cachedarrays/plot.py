@@ -28,13 +28,7 @@ def plot_occupancy(telemetry: Mapping, path: str, title: str = "device occupancy
         ax.step([t for t, _ in timeline], [u[name] / 2**20 for _, u in timeline], where="post", label=name)
         ax.axhline(telemetry["occupancy"][name]["capacity"] / 2**20, ls=":", lw=0.8, color="grey")
     ax.set_xlabel("time (s)")
-    ax.set_ylabel("used (MiB)")
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _finish(plt, fig, ax, path, title, "used (MiB)")
 
 
 def plot_bytes_moved(runs: Mapping[str, Mapping], path: str, title: str = "bytes moved") -> str:
@@ -47,7 +41,11 @@ def plot_bytes_moved(runs: Mapping[str, Mapping], path: str, title: str = "bytes
         xs = [i + k * width for i in range(len(runs))]
         ax.bar(xs, [tele["bytes_moved"].get(direction, 0) / 2**20 for tele in runs.values()], width, label=direction)
     ax.set_xticks([i + width * (len(directions) - 1) / 2 for i in range(len(runs))], list(runs), rotation=20)
-    ax.set_ylabel("MiB")
+    return _finish(plt, fig, ax, path, title, "MiB")
+
+
+def _finish(plt, fig, ax, path: str, title: str, ylabel: str) -> str:
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend()
     fig.tight_layout()

@@ -24,7 +24,7 @@ Parameters are a list of ``(W, b)`` pairs per MLP, ``W`` of shape ``(fan_in, fan
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import jax

@@ -14,7 +14,6 @@ import os
 import sys
 import time
 
-import numpy as np
 
 from . import checkpoint
 from .dense import DLRMConfig

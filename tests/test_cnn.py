@@ -22,7 +22,7 @@ from cnn.graph import Tape
 from cnn.layers import SoftmaxCrossEntropy
 from cnn.models import build
 from cnn.modes import MODES, BudgetTooSmallError, make_policy, parse_budget
-from cnn.trainer import Config, Trainer, measure_footprint, run_mode
+from cnn.trainer import Config, measure_footprint, run_mode
 
 TINY = {"vgg": Config("vgg", 5, 4, 4, 8), "resnet": Config("resnet", 11, 4, 4, 8),
         "densenet": Config("densenet", 9, 4, 4, 8)}

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-import dlrm  # noqa: F401
 from dlrm.data import CriteoDataset, Prefetcher, SyntheticData, preprocess, read_processed
 from dlrm.data.criteo import NUM_DENSE, NUM_SPARSE
 from dlrm.metrics import accuracy, bce, roc_auc

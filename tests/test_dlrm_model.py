@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import dlrm  # noqa: F401  (sets the OpenMP wait policy before any parallel kernel runs)
 from cachedarrays import DRAM, PM, LRUPolicy, Manager
 from dlrm import DLRM, DLRMConfig, make_tables
 from dlrm.data import SyntheticData

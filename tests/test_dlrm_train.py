@@ -8,7 +8,6 @@ import json
 import numpy as np
 import pytest
 
-import dlrm  # noqa: F401
 from dlrm import train
 from dlrm.placement import POLICIES
 

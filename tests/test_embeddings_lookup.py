@@ -1,33 +1,16 @@
 """Lookups against numpy references: every form, feature sizes 1..300, batches from 0, 1-2 threads."""
 
 import ml_dtypes
-from contextlib import contextmanager
 
-import numba
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import embeddings as E
-from embeddings import config
+from helpers import numba_threads
 
 FEATURES = st.one_of(st.integers(1, 300), st.sampled_from([8, 16, 32, 64, 128, 256]))
-
-
-@contextmanager
-def numba_threads(n):
-    """Run with ``n`` numba threads; with more than one, force the parallel kernels even for
-    the tiny inputs of these tests (normally they run serially below a work threshold)."""
-    saved = (config.SERIAL_WORK, config.SERIAL_CHECK, config.PARALLEL_REINDEX_MIN)
-    numba.set_num_threads(n)
-    if n > 1:
-        config.SERIAL_WORK = config.SERIAL_CHECK = config.PARALLEL_REINDEX_MIN = 0
-    try:
-        yield
-    finally:
-        config.SERIAL_WORK, config.SERIAL_CHECK, config.PARALLEL_REINDEX_MIN = saved
-
 
 
 def ref_pooled(table, idx, offsets, weights=None, mean=False):

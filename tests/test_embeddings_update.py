@@ -3,33 +3,16 @@
 import jax
 import jax.numpy as jnp
 import ml_dtypes
-from contextlib import contextmanager
 
-import numba
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import embeddings as E
-from embeddings import config
+from helpers import numba_threads
 
 jax.config.update("jax_platforms", "cpu")
-
-
-@contextmanager
-def numba_threads(n):
-    """Run with ``n`` numba threads; with more than one, force the parallel kernels even for
-    the tiny inputs of these tests (normally they run serially below a work threshold)."""
-    saved = (config.SERIAL_WORK, config.SERIAL_CHECK, config.PARALLEL_REINDEX_MIN)
-    numba.set_num_threads(n)
-    if n > 1:
-        config.SERIAL_WORK = config.SERIAL_CHECK = config.PARALLEL_REINDEX_MIN = 0
-    try:
-        yield
-    finally:
-        config.SERIAL_WORK, config.SERIAL_CHECK, config.PARALLEL_REINDEX_MIN = saved
-
 
 
 def dense_grad(N, idx, offsets, grad, weights=None, mean=False):

@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import cachedarrays as ca
 from cachedarrays import (DRAM, PM, CachedArray, InvariantError, LRUPolicy, Manager, OutOfMemoryError, PinnedError,
-                          Policy, TwoLevelCachePolicy, UseAfterFreeError, readable, writable)
+                          TwoLevelCachePolicy, UseAfterFreeError, readable, writable)
 
 
 def readme_policy():
