@@ -22,6 +22,7 @@ from __future__ import annotations
 import statistics
 import time
 
+import _paths  # noqa: F401  (make `import embeddings` find the package, not benchmarks/embeddings.py)
 import numpy as np
 
 import cachedarrays as ca

@@ -39,18 +39,11 @@ from __future__ import annotations
 import gc
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-# This script is called dlrm.py: take its own folder off the path so `import dlrm` finds the package,
-# then put the folder back at the end for _common and torch_dlrm.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
+import _paths  # noqa: F401  (this file is dlrm.py: make `import dlrm` find the package)
 import cachedarrays  # noqa: E402,F401  (sets OMP_WAIT_POLICY before numba starts its threads)
-
-sys.path.append(_HERE)
 import numpy as np  # noqa: E402
 
 from _common import environment, parser, print_table, verdict, write_json  # noqa: E402
