@@ -574,10 +574,9 @@ def print_workload(res: dict[str, Any]) -> None:
           "   wrote to arrays whose primary was in PM at the time, i.e. computed on in the slow device, no copy")
     print("   'moves in' = the prefetches counter: hinted prefetches plus insert-on-use moves (no L, TwoLevelCache);\n"
           "   'dead wb' = dirty data of dead objects written back (TwoLevelCache only); 'full GCs' / 'GC s' = Python\n"
-          "   gc.collect() runs during the chain and their time (TwoLevelCache defaults to collect_at=0.8, which runs\n"
-          "   one whenever an allocation finds the fast device 80% full);\n"
-          "   * extra row, not one of the 9 policies: TwoLevelCachePolicy(collect_at=None), the same traffic\n"
-          "     without that GC cost")
+          "   gc.collect() runs during the chain and their time (TwoLevelCache defaults to collect_at=0.8: a\n"
+          "   collection when an allocation finds the slow device 80% full, as the dissertation's 2LM runs do);\n"
+          "   * extra row, not one of the 9 policies: TwoLevelCachePolicy(collect_at=None), never collecting")
     print(f"   final arrays ({res['final_arrays']}) agree bit for bit across all policies and with plain numpy: "
           f"{res['results_agree']}")
 

@@ -38,6 +38,11 @@ PAGE_BYTES = 256 << 10
 PAGES_PER_CACHE = 32  # flushing drops whole pages, so a page is a small part of the cache
 
 
+def _nchunks(n: int) -> int:
+    """Work items for a parallel pass over ``n`` indices: a few per thread, none empty."""
+    return max(1, min(n, 4 * numba.get_num_threads()))
+
+
 class CachedEmbeddings(EmbeddingTable):
     """An embedding table whose hot rows are cached in the fast device.
 
@@ -170,9 +175,8 @@ class CachedEmbeddings(EmbeddingTable):
             return
         before = int(self.counts[2])
         t0 = time.perf_counter()
-        nchunks = min(idx.size, 4 * numba.get_num_threads())
-        K.access_and_cache(self._base, self._cache, self._ptr, self._backedge, self._ref, self.state, idx, nchunks,
-                           self.counts)
+        K.access_and_cache(self._base, self._cache, self._ptr, self._backedge, self._ref, self.state, idx,
+                           _nchunks(idx.size), self.counts)
         self._account_cached(int(self.counts[2]) - before, time.perf_counter() - t0)
 
     def access(self, indices: np.ndarray) -> None:
@@ -184,7 +188,7 @@ class CachedEmbeddings(EmbeddingTable):
         if self.policy == "simple":
             self.counts[1] += idx.size
         elif idx.size:
-            K.count_hits(self._ptr, idx, self.counts)
+            K.count_hits(self._ptr, idx, _nchunks(idx.size), self.counts)
 
     def set_cachelower(self, rows: int) -> None:
         """Flushes stop once the cache holds at most ``rows`` rows."""

@@ -24,10 +24,12 @@ import numpy as np
 from numba import njit, prange
 
 from .atomics import cas, exchange, fetch_add
+from .intrinsics import prefetch
 
 CACHED = 1
 LOCKED = 2
 MAX_REF = 3
+PREFETCH = 16  # pointer-table entries fetched this many indices ahead
 HEAD, TAIL, LIMIT, RING = 0, 1, 2, 3
 
 
@@ -53,6 +55,8 @@ def _cache_chunk(base, cache, ptr, backedge, ref, state, idx, i0, i1, tail, limi
     misses = 0
     cached = 0
     for i in range(i0, i1):
+        if i + PREFETCH < i1:
+            prefetch(ptr.ctypes.data + idx[i + PREFETCH] * 8)
         r = idx[i]
         e = ptr[r]
         if e & CACHED:
@@ -98,14 +102,26 @@ def access_and_cache(base, cache, ptr, backedge, ref, state, idx, nchunks, count
 
 
 @njit(cache=True)
-def count_hits(ptr, idx, counts):
-    """``counts += (hits, misses, 0)`` for an access that does not cache."""
+def _count_chunk(ptr, idx, i0, i1):
     h = 0
-    for i in range(idx.size):
+    for i in range(i0, i1):
+        if i + PREFETCH < i1:
+            prefetch(ptr.ctypes.data + idx[i + PREFETCH] * 8)
         if ptr[idx[i]] & CACHED:
             h += 1
+    return h
+
+
+@njit(parallel=True, cache=True)
+def count_hits(ptr, idx, nchunks, counts):
+    """``counts += (hits, misses, 0)`` for an access that does not cache."""
+    n = idx.size
+    part = np.zeros(nchunks, np.int64)
+    for c in prange(nchunks):
+        part[c] = _count_chunk(ptr, idx, c * n // nchunks, (c + 1) * n // nchunks)
+    h = part.sum()
     counts[0] += h
-    counts[1] += idx.size - h
+    counts[1] += n - h
 
 
 @njit(cache=True)

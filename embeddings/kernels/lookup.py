@@ -24,7 +24,7 @@ from numba.extending import overload
 
 from .codecs import load
 from .intrinsics import stack_f32
-from .rowaccess import accumulator, featuresize, out_ptr, out_row, prefetch_row, row_of, row_ptr
+from .rowaccess import accumulator, featuresize, out_ptr, out_row, prefetch_ahead, row_of, row_ptr
 from .simd import vadd4, vcopy, vfma, vscale_store, vzero
 
 
@@ -34,20 +34,11 @@ def gather_chunk(spec, out, base, cache, slots, codec, idx, i0, i1, dist):
     F = featuresize(spec, base)
     nbytes = F * base.itemsize
     for i in range(i0, i1):
-        ip = i + dist
-        if ip < i1:
-            prefetch_row(base, cache, slots, idx[ip], nbytes)
+        prefetch_ahead(base, cache, slots, idx, i, dist, i1, nbytes)
         row = row_of(base, cache, slots, idx[i], F)
         o = out_row(out, i, F)
         for k in range(F):
             o[k] = load(codec, row[k])
-
-
-@njit(cache=True, fastmath=True, inline="always")
-def _prefetch_ahead(base, cache, slots, idx, j, dist, pend, nbytes):
-    jp = j + dist
-    if jp < pend:
-        prefetch_row(base, cache, slots, idx[jp], nbytes)
 
 
 @njit(cache=True, fastmath=True)
@@ -71,7 +62,7 @@ def pooled_chunk(spec, out, base, cache, slots, codec, idx, offsets, weights, me
         j = s
         while j + 4 <= e:
             for q in range(4):
-                _prefetch_ahead(base, cache, slots, idx, j + q, dist, pend, nbytes)
+                prefetch_ahead(base, cache, slots, idx, j + q, dist, pend, nbytes)
             r0 = row_of(base, cache, slots, idx[j], F)
             r1 = row_of(base, cache, slots, idx[j + 1], F)
             r2 = row_of(base, cache, slots, idx[j + 2], F)
@@ -90,7 +81,7 @@ def pooled_chunk(spec, out, base, cache, slots, codec, idx, offsets, weights, me
                         load(codec, r2[k]) + load(codec, r3[k]))
             j += 4
         while j < e:
-            _prefetch_ahead(base, cache, slots, idx, j, dist, pend, nbytes)
+            prefetch_ahead(base, cache, slots, idx, j, dist, pend, nbytes)
             r0 = row_of(base, cache, slots, idx[j], F)
             w0 = weights[j] if has_w else one
             for k in range(F):
@@ -109,9 +100,7 @@ def gather_chunk_simd(spec, out, base, cache, slots, codec, idx, i0, i1, dist):
     """:func:`gather_chunk` for float32 rows of a specialised feature size (vector copies)."""
     nbytes = 8 * len(spec) * 4
     for i in range(i0, i1):
-        ip = i + dist
-        if ip < i1:
-            prefetch_row(base, cache, slots, idx[ip], nbytes)
+        prefetch_ahead(base, cache, slots, idx, i, dist, i1, nbytes)
         vcopy(spec, out_ptr(out, i), row_ptr(base, cache, slots, idx[i]))
 
 
@@ -131,18 +120,18 @@ def pooled_chunk_simd(spec, out, base, cache, slots, codec, idx, offsets, weight
         j = s
         if has_w:
             while j < e:
-                _prefetch_ahead(base, cache, slots, idx, j, dist, pend, nbytes)
+                prefetch_ahead(base, cache, slots, idx, j, dist, pend, nbytes)
                 vfma(spec, acc, row_ptr(base, cache, slots, idx[j]), weights[j])
                 j += 1
         else:
             while j + 4 <= e:
                 for q in range(4):
-                    _prefetch_ahead(base, cache, slots, idx, j + q, dist, pend, nbytes)
+                    prefetch_ahead(base, cache, slots, idx, j + q, dist, pend, nbytes)
                 vadd4(spec, acc, row_ptr(base, cache, slots, idx[j]), row_ptr(base, cache, slots, idx[j + 1]),
                       row_ptr(base, cache, slots, idx[j + 2]), row_ptr(base, cache, slots, idx[j + 3]))
                 j += 4
             while j < e:
-                _prefetch_ahead(base, cache, slots, idx, j, dist, pend, nbytes)
+                prefetch_ahead(base, cache, slots, idx, j, dist, pend, nbytes)
                 vfma(spec, acc, row_ptr(base, cache, slots, idx[j]), one)
                 j += 1
         scale = one

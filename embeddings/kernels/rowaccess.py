@@ -109,6 +109,33 @@ def out_row(out, b, F):
     return carray(address_as_pointer(out.ctypes.data + b * out.strides[0], out), F)
 
 
+def prefetch_slot(slots, idx, k, end):  # pragma: no cover - numba only
+    """Prefetch the pointer-table entry of row ``idx[k]`` (if ``k < end``); nothing for plain tables."""
+    raise NotImplementedError
+
+
+@overload(prefetch_slot, inline="always")
+def _prefetch_slot(slots, idx, k, end):
+    if isinstance(slots, types.NoneType):
+        return lambda slots, idx, k, end: None
+
+    def impl(slots, idx, k, end):
+        if k < end:
+            prefetch(slots.ctypes.data + idx[k] * slots.itemsize)
+
+    return impl
+
+
+@njit(cache=True, inline="always")
+def prefetch_ahead(base, cache, slots, idx, j, dist, end, nbytes):
+    """Prefetch row ``idx[j + dist]`` and, through a pointer table, the entry of ``idx[j + 2 dist]``:
+    the row prefetch must read the entry, so the entry is fetched one distance earlier still."""
+    jp = j + dist
+    if jp < end:
+        prefetch_row(base, cache, slots, idx[jp], nbytes)
+        prefetch_slot(slots, idx, jp + dist, end)
+
+
 @njit(cache=True, inline="always")
 def prefetch_row(base, cache, slots, r, nbytes):
     """Prefetch every cache line of logical row ``r`` (``nbytes`` long).

@@ -21,7 +21,7 @@ from numba.extending import overload
 from .codecs import load, store
 from .intrinsics import prefetch, stack_f32
 from .lookup import _simd, nchunks_for
-from .rowaccess import accumulator, featuresize, out_ptr, out_row, prefetch_row, row_of, row_ptr
+from .rowaccess import accumulator, featuresize, out_ptr, out_row, prefetch_row, prefetch_slot, row_of, row_ptr
 from .simd import vcopy, vfma, vzero
 
 SGD = 0
@@ -55,6 +55,7 @@ def update_chunk(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, e
     for u in range(u0, u1):
         if u + dist < u1:
             prefetch_row(base, cache, slots, uniq[u + dist], nbytes)
+            prefetch_slot(slots, uniq, u + 2 * dist, u1)
             _prefetch_grad(grad, ent_bag, starts, u + dist, gbytes)
         for k in range(F):
             acc[k] = 0.0
@@ -101,6 +102,7 @@ def update_chunk_simd(spec, base, cache, slots, codec, grad, uniq, starts, ent_b
     for u in range(u0, u1):
         if u + dist < u1:
             prefetch_row(base, cache, slots, uniq[u + dist], nbytes)
+            prefetch_slot(slots, uniq, u + 2 * dist, u1)
             _prefetch_grad(grad, ent_bag, starts, u + dist, gbytes)
         vzero(spec, acc)
         for q in range(starts[u], starts[u + 1]):
