@@ -57,6 +57,13 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
+def print_targets(summary: Mapping[str, bool]) -> None:
+    """One PASS/MISS line per named target."""
+    print("\nTargets:")
+    for name, ok in summary.items():
+        print(f"  {verdict(ok)}  {name}")
+
+
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     """Print ``rows`` under ``columns`` as an aligned plain-text table (floats with 2 decimals)."""
     def cell(x: Any) -> str:

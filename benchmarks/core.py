@@ -45,9 +45,9 @@ from cachedarrays.copy import copy_bytes, warmup
 from cachedarrays.units import format_size
 
 try:
-    from benchmarks._common import environment, parser, print_table, time_interleaved, verdict, write_json
+    from benchmarks._common import environment, parser, print_table, print_targets, time_interleaved, verdict, write_json
 except ImportError:  # run as a script: benchmarks/ itself is on sys.path
-    from _common import environment, parser, print_table, time_interleaved, verdict, write_json
+    from _common import environment, parser, print_table, print_targets, time_interleaved, verdict, write_json
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 PAGE = 4096
@@ -315,9 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     print_alloc(heap, mgr)
 
     summary = summarize(copies, align, heap)
-    print("\nTargets:")
-    for name, ok in summary.items():
-        print(f"  {verdict(ok)}  {name}")
+    print_targets(summary)
     elapsed = time.perf_counter() - t_start
     print(f"\ntotal time {elapsed:.1f} s")
     write_json(args.out, {

@@ -70,9 +70,9 @@ from cachedarrays.copy import copy_bytes, warmup
 from cachedarrays.units import format_size
 
 try:
-    from benchmarks._common import environment, parser, print_table, verdict, write_json
+    from benchmarks._common import environment, parser, print_table, print_targets, verdict, write_json
 except ImportError:  # run as a script: benchmarks/ itself is on sys.path
-    from _common import environment, parser, print_table, verdict, write_json
+    from _common import environment, parser, print_table, print_targets, verdict, write_json
 
 KiB, MiB = 1 << 10, 1 << 20
 TARGET_US = 20.0
@@ -708,9 +708,7 @@ def main(argv: list[str] | None = None) -> int:
     print_overhead(ov)
 
     summary = summarize(ov, wl)
-    print("\nTargets:")
-    for name, ok in summary.items():
-        print(f"  {verdict(ok)}  {name}")
+    print_targets(summary)
     elapsed = time.perf_counter() - t_start
     print(f"\ntotal time {elapsed:.1f} s")
     write_json(args.out, {
