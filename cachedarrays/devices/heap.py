@@ -172,8 +172,12 @@ class Heap:
 
     def _find(self, need: int, align: int) -> int | None:
         """Take a free block that fits out of the free index (the caller carves it), or None."""
-        worst = need + align - ALIGN
-        first = _bin(worst) + 1
+        units = (need + align - ALIGN) >> 6  # _bin of the worst case, inlined (hot path)
+        if units < _SUBS:
+            first = units + 1
+        else:
+            e = units.bit_length() - 1
+            first = (e - _SUB_BITS + 1) * _SUBS + ((units >> (e - _SUB_BITS)) & (_SUBS - 1)) + 1
         mask = self._nonempty >> first
         if mask:
             b = first + (mask & -mask).bit_length() - 1
@@ -223,13 +227,13 @@ class Heap:
         del self._requested[offset]
         self._free_bytes += size
         lo, hi = offset, offset + size
-        requested = self._requested
+        bin_of = self._bin_of
         prev = self._prev[lo]
-        if prev >= 0 and prev not in requested:
+        if prev in bin_of:  # a free neighbour below (prev is -1 at the heap start)
             self._remove_free(prev)
             del self._size[lo], self._prev[lo]
             lo = prev
-        if hi < self.capacity and hi not in requested:
+        if hi in bin_of:  # a free neighbour above
             self._remove_free(hi)
             nxt = hi + self._size.pop(hi)
             del self._prev[hi]
