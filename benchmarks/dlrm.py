@@ -181,7 +181,7 @@ def policies(shape: dict, steps: int, rounds: int) -> list[dict]:
             m, model = build(shape, policy, tmp, 0.01)
             stack.callback(m.close)
             model.warmup(batches[0])
-            m.telemetry_data.reset()
+            m.reset_telemetry()
             model.timer.reset()
             runs[policy] = (m, model, [])
         names = list(runs)

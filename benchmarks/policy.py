@@ -439,7 +439,7 @@ def run_workload(make_policy: Callable[[], Policy], script: Script, data: list[n
     with Manager(DRAM(cfg.wl_fast), PM(pm_dir, cfg.wl_slow), policy=make_policy()) as m:
         arrays = {i: CachedArray(x, m) for i, x in enumerate(data)}
         gc.collect()
-        m.telemetry_data.reset()
+        m.reset_telemetry()
         with GCWatch() as gcs:
             start = time.perf_counter()
             in_place = run_script(script, arrays, cfg.gc_every)
@@ -651,7 +651,7 @@ def bench_overhead(cfg: Config, pm_dir: str | None) -> dict[str, Any]:
             prefetch(x)
             before()
             time_calls(op, max(1, n // 10), before)  # warm-up
-            m.telemetry_data.reset()
+            m.reset_telemetry()
             samples = time_calls(op, n, before)
             tele = m.telemetry()
             us = float(np.median(samples)) / 1e3

@@ -114,10 +114,13 @@ class CachedArray(NDArrayOperatorsMixin):
             raise TypeError("len() of a 0-d CachedArray")
         return self.shape[0]
 
+    @property
+    def device(self) -> str:
+        """Name of the device that holds the primary copy now (a policy may move it at any time)."""
+        return self.manager.primary(self.object).device.name
+
     def __repr__(self) -> str:
-        where = "freed"
-        if self.object.alive:
-            where = self.manager.primary(self.object).device.name
+        where = self.device if self.object.alive else "freed"
         return f"CachedArray(shape={self.shape}, dtype={self.dtype}, status={self._status.value}, on={where})"
 
     # ------------------------------------------------------------------ raw access (pinned statuses only)

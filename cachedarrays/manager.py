@@ -446,6 +446,11 @@ class Manager:
         with self._locked():
             return self.telemetry_data.snapshot()
 
+    def reset_telemetry(self) -> None:
+        """Zero every counter and the timeline (e.g. after a warm-up); high-water marks restart from now."""
+        with self._locked():
+            self.telemetry_data.reset()
+
     def check(self) -> None:
         """Cross-check heaps, the registry, links and dirty bits; raise `InvariantError` on the first problem."""
         with self._locked():

@@ -124,7 +124,7 @@ def measure_footprint(cfg: Config, data: Callable[[int], tuple] | None = None, p
         with make_manager("dram", fast, MIN_PM, pm_dir) as m:
             tr = Trainer(cfg, m)
             persistent = m.fast.used_bytes
-            m.telemetry_data.reset()
+            m.reset_telemetry()
             t0 = time.perf_counter()
             tr.step(*data(0))
             seconds = time.perf_counter() - t0
@@ -211,7 +211,7 @@ class Session:
     def step(self, i: int) -> IterationRecord:
         m, tr = self.m, self.trainer
         batch = self.data(i)
-        m.telemetry_data.reset()
+        m.reset_telemetry()
         tr.ex.stats.reset()
         t0 = time.perf_counter()
         try:

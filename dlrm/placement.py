@@ -28,7 +28,7 @@ _INIT_CHUNK = 1 << 20  # rows per initialisation chunk
 
 def device_of(x: CachedArray) -> str:
     """Name of the device holding ``x``'s primary region."""
-    return x.manager.primary(x.object).device.name
+    return x.device
 
 
 def allocate_table(manager: Manager, nrows: int, featuresize: int, where: str) -> CachedArray:

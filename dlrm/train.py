@@ -174,7 +174,7 @@ def run(args) -> dict:
               f"on {', '.join(sorted(set(table_devices(tables))))}; bottom {'-'.join(map(str, bottom))}, "
               f"top {'-'.join(map(str, cfg.top_sizes))}, {args.arch_interaction_op} interaction; "
               f"batches {start}..{total} of {args.mini_batch_size}; setup and compilation {setup:.1f} s", file=sys.stderr)
-        manager.telemetry_data.reset()
+        manager.reset_telemetry()
         losses: list[tuple[int, float]] = []
         evals: list[dict] = []
         B = args.mini_batch_size

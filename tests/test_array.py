@@ -110,7 +110,7 @@ def test_ufuncs_operators_and_array_functions_return_cachedarrays(m):
     b = CachedArray(np.ones((3, 4), np.float32), m)
     c = a * 2 + b
     assert isinstance(c, CachedArray) and np.array_equal(np.asarray(c), np.arange(12).reshape(3, 4) * 2 + 1)
-    d = a @ b.T if False else np.matmul(a, np.asarray(b).T)
+    d = a @ np.transpose(b)  # an array function, then a ufunc
     assert isinstance(d, CachedArray) and d.shape == (3, 3)
     s = np.sum(a)
     assert not isinstance(s, CachedArray) and s == 66
@@ -173,7 +173,9 @@ def test_listing_6_1_race_cannot_tear_a_write():
     x = CachedArray(np.zeros(100_000, np.float32), m)  # 400 KB
     others = [CachedArray(np.zeros(50_000, np.float32), m) for _ in range(4)]
     stop = threading.Event()
+    running = threading.Event()
     errors = []
+    rounds = [0]
 
     def pressure():
         while not stop.is_set():
@@ -186,9 +188,12 @@ def test_listing_6_1_race_cannot_tear_a_write():
             for o in others:
                 ca.prefetch(o, force=True)
             ca.prefetch(x, force=True)
+            rounds[0] += 1
+            running.set()
 
     t = threading.Thread(target=pressure)
     t.start()
+    assert running.wait(30)  # the writes below must overlap the eviction pressure
     try:
         for value in range(1, 40):
             with writable(x) as a:
@@ -200,6 +205,6 @@ def test_listing_6_1_race_cannot_tear_a_write():
     finally:
         stop.set()
         t.join()
-    assert errors == []
+    assert errors == [] and rounds[0] > 0
     assert m.telemetry()["counters"].get("prefetches", 0) > 0  # the other thread really moved data
     m.check()

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -222,4 +223,4 @@ class HeapMachine(RuleBasedStateMachine):
 
 
 TestHeapMachine = HeapMachine.TestCase
-TestHeapMachine.settings = __import__("hypothesis").settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestHeapMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)

@@ -27,7 +27,8 @@ def make(policy, fast="1MiB", slow="16MiB"):
 
 
 def where(m, x):
-    return m.primary(x.object).device.name
+    assert x.device == m.primary(x.object).device.name
+    return x.device
 
 
 def counters(m):
@@ -44,10 +45,12 @@ def test_clean_eviction_is_elided_and_counted():
     ca.evict(x)  # clean since the prefetch: no copy
     assert m.telemetry()["bytes_moved"]["DRAM->PM"] == before
     assert counters(m)["evictions_clean_elided"] == 1 and counters(m)["bytes_elided"] == x.nbytes
+    m.reset_telemetry()
+    assert counters(m) == {} and m.telemetry()["bytes_moved"] == {}
     ca.prefetch(x)
     x[0] = 42.0  # a write use dirties the fast copy
     ca.evict(x)
-    assert m.telemetry()["bytes_moved"]["DRAM->PM"] == before + x.nbytes
+    assert m.telemetry()["bytes_moved"] == {"DRAM->PM": x.nbytes, "PM->DRAM": x.nbytes}
     assert x[0] == 42.0 and x[1] == 1.0
     m.check()
 
