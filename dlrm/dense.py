@@ -97,29 +97,102 @@ def init_dense(config: DLRMConfig, seed: int) -> dict:
     return {"bot": init_mlp(config.bottom, rng), "top": init_mlp(config.top_sizes, rng)}
 
 
-def _mlp(layers, h, last_linear: bool):
+PRECISIONS = ("f32", "bf16")
+
+
+@jax.custom_vjp
+def _linear_bf16(x, W):
+    return jnp.dot(x.astype(jnp.bfloat16), W.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+
+
+def _linear_bf16_fwd(x, W):
+    xb, Wb = x.astype(jnp.bfloat16), W.astype(jnp.bfloat16)
+    return jnp.dot(xb, Wb, preferred_element_type=jnp.float32), (xb, Wb)
+
+
+def _linear_bf16_bwd(res, g):
+    # The barriers make XLA write the transposes out, so both backward products are plain
+    # row-major matmuls, the form its bf16 kernels run fastest here.
+    xb, Wb = res
+    gb = g.astype(jnp.bfloat16)
+    dx = jnp.dot(gb, jax.lax.optimization_barrier(Wb.T), preferred_element_type=jnp.float32)
+    dW = jnp.dot(jax.lax.optimization_barrier(xb.T), gb, preferred_element_type=jnp.float32)
+    return dx, dW
+
+
+_linear_bf16.defvjp(_linear_bf16_fwd, _linear_bf16_bwd)
+
+
+def linear(x, W, precision: str = "f32"):
+    """``x @ W``. With ``precision="bf16"`` the operands of the forward and of both backward
+    products are rounded to bfloat16 and accumulated in float32 (mixed precision: the weights
+    themselves, their gradients and the SGD update stay float32, which is what the split-SGD
+    trick of dissertation section 5.5.2 reconstructs from two 16-bit halves)."""
+    if precision == "bf16":
+        return _linear_bf16(x, W)
+    return x @ W
+
+
+def _mlp(layers, h, last_linear: bool, precision: str = "f32"):
     n = len(layers)
     for i, (W, b) in enumerate(layers):
-        h = h @ W + b
+        h = linear(h, W, precision) + b
         if not (last_linear and i == n - 1):
             h = jax.nn.relu(h)
     return h
+
+
+def _pair_maps(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For ``n`` vectors: the flat positions ``i * n + j`` of the strictly lower triangle
+    (row-major, the reference DLRM's pair order), and for every entry of the ``n x n`` matrix
+    and of its transpose, 1 + its pair number (0 off the triangle)."""
+    li, lj = np.tril_indices(n, -1)
+    flat = (li * n + lj).astype(np.int32)
+    pos = np.zeros(n * n, np.int32)
+    pos[flat] = np.arange(1, flat.size + 1, dtype=np.int32)
+    return flat, pos, np.ascontiguousarray(pos.reshape(n, n).T).reshape(-1)
+
+
+def _dot_forward(h, emb):
+    z = jnp.concatenate([h[:, None, :], emb], axis=1)
+    flat, _, _ = _pair_maps(z.shape[1])
+    Z = jnp.einsum("bif,bjf->bij", z, z).reshape(z.shape[0], -1)
+    return jnp.concatenate([h, jnp.take(Z, flat, axis=1)], axis=1), z
+
+
+def _dot_backward(z, d):
+    # The pair gradients are *gathered* into the symmetric n x n matrix (two static-index takes
+    # from the pair vector padded with one zero), where autodiff of the forward's gather would
+    # scatter; scatters are slow on XLA:CPU (the interaction gradient at the Kaggle shape took
+    # about 2.5x longer).
+    B, n, F = z.shape
+    _, pos, posT = _pair_maps(n)
+    dpad = jnp.concatenate([jnp.zeros((B, 1), d.dtype), d[:, F:]], axis=1)
+    dZ = (jnp.take(dpad, pos, axis=1) + jnp.take(dpad, posT, axis=1)).reshape(B, n, n)
+    dz = jnp.einsum("bij,bjf->bif", dZ, z)
+    return d[:, :F] + dz[:, 0], dz[:, 1:]
+
+
+@jax.custom_vjp
+def dot_interaction(h, emb):
+    """``[h, strictly lower triangle of z z^T]`` per sample, ``z = [h; emb]`` of (B, T+1, F)."""
+    return _dot_forward(h, emb)[0]
+
+
+dot_interaction.defvjp(_dot_forward, _dot_backward)
 
 
 def interact(h, emb, interaction: str):
     """``h`` (B, F) bottom output, ``emb`` (B, T, F) lookups -> top MLP input."""
     if interaction == "cat":
         return jnp.concatenate([h, emb.reshape(emb.shape[0], -1)], axis=1)
-    z = jnp.concatenate([h[:, None, :], emb], axis=1)
-    Z = jnp.einsum("bif,bjf->bij", z, z)
-    li, lj = np.tril_indices(z.shape[1], -1)  # strictly lower triangle, row-major as the reference
-    return jnp.concatenate([h, Z[:, li, lj]], axis=1)
+    return dot_interaction(h, emb)
 
 
-def logits_fn(params, x, emb, interaction: str):
+def logits_fn(params, x, emb, interaction: str, precision: str = "f32"):
     """The model up to the logit (the sigmoid is folded into the loss for stability)."""
-    h = _mlp(params["bot"], x, last_linear=False)
-    return _mlp(params["top"], interact(h, emb, interaction), last_linear=True)[:, 0]
+    h = _mlp(params["bot"], x, False, precision)
+    return _mlp(params["top"], interact(h, emb, interaction), True, precision)[:, 0]
 
 
 def bce_with_logits(p, y):
@@ -127,25 +200,34 @@ def bce_with_logits(p, y):
     return jnp.mean(jnp.maximum(p, 0) - p * y + jnp.log1p(jnp.exp(-jnp.abs(p))))
 
 
-def _loss(params, x, emb, y, interaction):
-    p = logits_fn(params, x, emb, interaction)
+def _loss(params, x, emb, y, interaction, precision):
+    p = logits_fn(params, x, emb, interaction, precision)
     return bce_with_logits(p, y), p
 
 
-def make_grad_step(interaction: str):
+def check_precision(precision: str) -> str:
+    """``precision`` if it is one of :data:`PRECISIONS`, else a ValueError naming them."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"dense precision must be one of {PRECISIONS}, got {precision!r}")
+    return precision
+
+
+def make_grad_step(interaction: str, precision: str = "f32"):
     """jitted ``(params, x, emb, y) -> (loss, logits, dense grads, d emb)``."""
+    check_precision(precision)
 
     @jax.jit
     def step(params, x, emb, y):
-        (loss, p), (g, gemb) = jax.value_and_grad(_loss, argnums=(0, 2), has_aux=True)(params, x, emb, y, interaction)
+        (loss, p), (g, gemb) = jax.value_and_grad(_loss, argnums=(0, 2), has_aux=True)(
+            params, x, emb, y, interaction, precision)
         return loss, p, g, gemb
 
     return step
 
 
-def make_predict(interaction: str):
+def make_predict(interaction: str, precision: str = "f32"):
     """jitted ``(params, x, emb) -> logits``."""
-    return jax.jit(partial(logits_fn, interaction=interaction))
+    return jax.jit(partial(logits_fn, interaction=interaction, precision=check_precision(precision)))
 
 
 @partial(jax.jit, donate_argnums=(0,))

@@ -53,13 +53,15 @@ def _aligned_empty(shape: tuple[int, ...], align: int = 64) -> np.ndarray:
 class DLRM:
     """``DLRM(config, tables, optimizer="sgd"|"adagrad", lr=0.01, seed=0)``.
 
-    ``tables`` are embedding tables (``SimpleEmbedding``, ``CachedEmbeddings``,
-    ``CachedEmbeddings``, ...) with ``config.table_sizes`` rows and ``config.featuresize`` columns.
+    ``tables`` are embedding tables (``SimpleEmbedding``, ``CachedEmbeddings``, ...) with
+    ``config.table_sizes`` rows and ``config.featuresize`` columns. ``precision`` is the dense
+    layers' matmul precision: "f32", or "bf16" (bfloat16 operands, float32 accumulation and
+    float32 weights; see :func:`dlrm.dense.linear`).
     """
 
     def __init__(self, config: DLRMConfig, tables: Sequence[EmbeddingTable], *, optimizer: str = "sgd",
                  lr: float = 0.01, seed: int = 0, params: dict | None = None, timer: PhaseTimer | None = None,
-                 group_size: int = GROUP_SIZE):
+                 group_size: int = GROUP_SIZE, precision: str = "f32"):
         if len(tables) != config.ntables:
             raise ValueError(f"config has {config.ntables} tables, got {len(tables)}")
         for t, n in zip(tables, config.table_sizes):
@@ -80,8 +82,9 @@ class DLRM:
         self.optimizer = optimizer
         self.table_opt = SGD(self.lr) if optimizer == "sgd" else RowwiseAdagrad(self.lr)
         self.params = to_device(init_dense(config, seed) if params is None else params)
-        self._grad = make_grad_step(config.interaction)
-        self._predict = make_predict(config.interaction)
+        self.precision = precision
+        self._grad = make_grad_step(config.interaction, precision)
+        self._predict = make_predict(config.interaction, precision)
         self.timer = timer if timer is not None else PhaseTimer()
         self._buf: np.ndarray | None = None
 

@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--optimizer", choices=("sgd", "adagrad"), default="sgd",
                    help="embedding tables: fused SGD or row-wise Adagrad; dense weights always use SGD")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--dense-precision", choices=("f32", "bf16"), default="f32",
+                   help="matmul precision of the MLPs: bf16 = bfloat16 operands, float32 accumulation and weights")
     d = p.add_argument_group("data")
     d.add_argument("--data-generation", choices=("random", "dataset"), default="random",
                    help="random: synthetic data with a hidden teacher; dataset: Criteo Kaggle format")
@@ -164,7 +166,8 @@ def run(args) -> dict:
     with make_manager(args, table_bytes, F) as manager:
         t0 = time.perf_counter()
         tables = make_tables(sizes, F, args.policy, manager, args.cache_fraction, args.seed)
-        model = DLRM(cfg, tables, optimizer=args.optimizer, lr=args.learning_rate, seed=args.seed)
+        model = DLRM(cfg, tables, optimizer=args.optimizer, lr=args.learning_rate, seed=args.seed,
+                     precision=args.dense_precision)
         start = 0
         if args.load:
             start = int(checkpoint.load(args.load, model)["step"])
