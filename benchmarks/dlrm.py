@@ -14,12 +14,15 @@ What it measures, and how:
 
    Indices are uniform. Batches are generated before timing (data generation excluded for
    both); each step is timed alone (lookup, forward, backward, all updates); ours and torch
-   alternate in blocks inside every round and the median step time gives samples/s.
-   Targets: ours/torch >= 1.5 on (a) and >= 2 on (b).
+   alternate in blocks inside every round and the median step time gives samples/s. Ours runs
+   twice over the same tables: dense matmuls in float32 (as torch) and in bfloat16 with float32
+   accumulation and weights (``--dense-precision bf16``; the dissertation's comparison in section
+   5.5.2 used bf16 MLPs too). Targets: ours/torch >= 1.5 on (a) and >= 2 on (b).
 2. Loss curves: both models from the same initial weights on the same planted data (synthetic,
    labels drawn from a hidden teacher, Zipf indices), 200 steps of the Kaggle architecture with
-   tables capped at 100k rows, batch 1024, lr 0.1. Target: the 20-step moving averages differ
-   by less than 0.01 everywhere (float32 summation order is the only difference).
+   tables capped at 100k rows, batch 1024, lr 0.1, ours in f32 and in bf16. Target: the 20-step
+   moving averages differ by less than 0.01 everywhere (for f32, summation order is the only
+   difference; bf16 rounds the matmul operands).
    The torch step is also timed without its embedding work (pooled embeddings precomputed), which
    splits both implementations into embedding work and dense work.
 3. Policies on (b) with Zipf(1) indices, all built side by side and run in alternating rounds:
@@ -62,7 +65,8 @@ def shapes(quick: bool) -> dict:
     }
 
 
-def build(shape: dict, policy: str, tmp: str, lr: float, seed: int = 0, cache_fraction: float = 0.1):
+def build(shape: dict, policy: str, tmp: str, lr: float, seed: int = 0, cache_fraction: float = 0.1,
+          precision: str = "f32"):
     from cachedarrays import DRAM, PM, LRUPolicy, Manager
     from dlrm import DLRM, DLRMConfig, make_tables
 
@@ -72,7 +76,7 @@ def build(shape: dict, policy: str, tmp: str, lr: float, seed: int = 0, cache_fr
     slow = (nbytes if policy != "dram" else 0) + (64 << 20)
     m = Manager(DRAM(fast), PM(tmp, slow), policy=LRUPolicy())
     tables = make_tables(cfg.table_sizes, cfg.featuresize, policy, m, cache_fraction, seed)
-    return m, DLRM(cfg, tables, lr=lr, seed=seed)
+    return m, DLRM(cfg, tables, lr=lr, seed=seed, precision=precision)
 
 
 def data_for(shape: dict, dist: str, n: int, seed: int = 0):
@@ -94,32 +98,36 @@ def torch_twin(model, lr: float):
 
 
 def compare(shape: dict, steps: int, rounds: int, lr: float = 0.01) -> dict:
-    """Median step time of ours and torch, alternating blocks of ``steps`` over ``rounds``."""
+    """Median step time of ours (dense matmuls in f32 and in bf16, two models over the same
+    tables) and of torch, alternating blocks of ``steps`` over ``rounds``."""
+    from dlrm import DLRM
     from torch_dlrm import TorchTrainer
 
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         m, model = build(shape, "dram", tmp, lr)
+        ours = {"f32": model, "bf16": DLRM(model.config, model.tables, lr=lr, seed=0, precision="bf16")}
         batches = data_for(shape, "uniform", 3)
         tbs = [TorchTrainer.convert(b) for b in batches]
         tt = torch_twin(model, lr)
-        model.warmup(batches[0])
+        for mod in ours.values():
+            mod.warmup(batches[0])
+            mod.timer.reset()
         tt.step(tbs[0])
         setup = time.perf_counter() - t0
-        ours, theirs = [], []
-        model.timer.reset()
+        times: dict = {"f32": [], "bf16": [], "torch": []}
         for r in range(rounds):
-            for who in (("ours", "torch") if r % 2 == 0 else ("torch", "ours")):
+            order = ("f32", "bf16", "torch") if r % 2 == 0 else ("torch", "bf16", "f32")
+            for who in order:
                 for s in range(steps):
                     j = (r * steps + s) % len(batches)
                     t = time.perf_counter()
-                    if who == "ours":
-                        model.train_step(batches[j])
-                        ours.append(time.perf_counter() - t)
-                    else:
+                    if who == "torch":
                         tt.step(tbs[j])
-                        theirs.append(time.perf_counter() - t)
-        phases = {k: 1e3 * v / len(ours) for k, v in model.timer.table().items()}
+                    else:
+                        ours[who].train_step(batches[j])
+                    times[who].append(time.perf_counter() - t)
+        phases = {p: {k: 1e3 * v / len(times[p]) for k, v in ours[p].timer.table().items()} for p in ours}
         # torch without its embedding work (precomputed pooled embeddings): splits its step in two
         dense_only = []
         lys = [tt.pooled(tb) for tb in tbs]
@@ -131,39 +139,52 @@ def compare(shape: dict, steps: int, rounds: int, lr: float = 0.01) -> dict:
             dense_only.append(time.perf_counter() - t)
         del lys
         B = shape["B"]
-        res = {"label": shape["label"], "batch": B, "ours_step_s": statistics.median(ours),
-               "torch_step_s": statistics.median(theirs), "ours_samples_s": B / statistics.median(ours),
-               "torch_samples_s": B / statistics.median(theirs), "ours_steps": ours, "torch_steps": theirs,
-               "ours_phase_ms": phases, "setup_s": setup, "target": shape["target"],
-               "torch_dense_only_step_s": statistics.median(dense_only)}
+        med = {k: statistics.median(v) for k, v in times.items()}
+        res = {"label": shape["label"], "batch": B, "ours_step_s": med["f32"], "ours_bf16_step_s": med["bf16"],
+               "torch_step_s": med["torch"], "ours_samples_s": B / med["f32"], "ours_bf16_samples_s": B / med["bf16"],
+               "torch_samples_s": B / med["torch"], "ours_steps": times["f32"], "ours_bf16_steps": times["bf16"],
+               "torch_steps": times["torch"], "ours_phase_ms": phases["f32"], "ours_bf16_phase_ms": phases["bf16"],
+               "setup_s": setup, "target": shape["target"], "torch_dense_only_step_s": statistics.median(dense_only)}
         res["ratio"] = res["ours_samples_s"] / res["torch_samples_s"]
-        del tt, model, tbs
+        res["ratio_bf16"] = res["ours_bf16_samples_s"] / res["torch_samples_s"]
+        del tt, model, ours, tbs
         m.close()
     gc.collect()
     return res
 
 
+def _curve_summary(ours: list, theirs: list) -> dict:
+    w = min(20, len(ours))
+    ma = lambda x: np.convolve(x, np.ones(w) / w, mode="valid")  # noqa: E731
+    diff = float(np.max(np.abs(ma(ours) - ma(theirs))))
+    return {"ours": ours, "max_abs_diff_moving_avg": diff, "window": w,
+            "max_abs_diff_per_step": float(np.max(np.abs(np.subtract(ours, theirs)))),
+            "ours_first": float(np.mean(ours[:w])), "ours_last": float(np.mean(ours[-w:])),
+            "torch_last": float(np.mean(theirs[-w:])), "ok": bool(diff < 0.01 and np.mean(ours[-w:]) < np.mean(ours[:w]))}
+
+
 def loss_curves(quick: bool, steps: int) -> dict:
+    """Ours (f32 and bf16 dense matmuls, each from fresh tables) and torch from the same initial
+    weights on the same planted batches."""
     from torch_dlrm import TorchTrainer
 
     shape = dict(label="planted", sizes=[min(n, 10_000 if quick else 100_000) for n in KAGGLE], F=16,
                  bot=(13, 512, 256, 64, 16), top=(512, 256, 1), k=1, B=256 if quick else 1024)
     lr = 0.1
-    with tempfile.TemporaryDirectory() as tmp:
-        m, model = build(shape, "dram", tmp, lr, seed=1)
-        batches = data_for(shape, "zipf", steps, seed=1)
-        tt = torch_twin(model, lr)
-        ours = [model.train_step(b).loss for b in batches]
-        theirs = [tt.step(TorchTrainer.convert(b)) for b in batches]
-        del tt, model
-        m.close()
-    w = min(20, steps)
-    ma = lambda x: np.convolve(x, np.ones(w) / w, mode="valid")  # noqa: E731
-    diff = float(np.max(np.abs(ma(ours) - ma(theirs))))
-    return {"steps": steps, "ours": ours, "torch": theirs, "max_abs_diff_moving_avg": diff, "window": w,
-            "max_abs_diff_per_step": float(np.max(np.abs(np.subtract(ours, theirs)))),
-            "ours_first": float(np.mean(ours[:w])), "ours_last": float(np.mean(ours[-w:])),
-            "torch_last": float(np.mean(theirs[-w:])), "ok": bool(diff < 0.01 and np.mean(ours[-w:]) < np.mean(ours[:w]))}
+    batches = data_for(shape, "zipf", steps, seed=1)
+    curves = {}
+    theirs: list = []
+    for precision in ("f32", "bf16"):
+        with tempfile.TemporaryDirectory() as tmp:
+            m, model = build(shape, "dram", tmp, lr, seed=1, precision=precision)
+            if not theirs:
+                tt = torch_twin(model, lr)
+                theirs = [tt.step(TorchTrainer.convert(b)) for b in batches]
+                del tt
+            curves[precision] = _curve_summary([model.train_step(b).loss for b in batches], theirs)
+            del model
+            m.close()
+    return {"steps": steps, "torch": theirs, **curves}
 
 
 def policies(shape: dict, steps: int, rounds: int) -> list[dict]:
@@ -243,27 +264,35 @@ def main(argv=None) -> dict:
             continue
         r = compare(sh[key], steps=2, rounds=2 if q else 8)
         results[key] = r
-        rows.append([r["label"], r["batch"], f"{r['ours_samples_s']:.0f}", f"{r['torch_samples_s']:.0f}",
-                     f"{r['ratio']:.2f}x", f">= {r['target']}x", verdict(r["ratio"] >= r["target"])])
-        print(f"  {r['label']}: ours {r['ours_samples_s']:.0f}/s, torch {r['torch_samples_s']:.0f}/s", flush=True)
+        for prec, suffix in (("f32", ""), ("bf16", "_bf16")):
+            ratio = r["ratio" + suffix]
+            rows.append([r["label"], prec, r["batch"], f"{r['ours' + suffix + '_samples_s']:.0f}",
+                         f"{r['torch_samples_s']:.0f}", f"{ratio:.2f}x", f">= {r['target']}x",
+                         verdict(ratio >= r["target"])])
+        print(f"  {r['label']}: ours {r['ours_samples_s']:.0f}/s (bf16 dense {r['ours_bf16_samples_s']:.0f}/s), "
+              f"torch {r['torch_samples_s']:.0f}/s", flush=True)
     if rows:
-        print_table("training throughput, tables in DRAM, uniform indices (median step; data generation excluded)",
-                    ["shape", "batch", "ours samples/s", "torch samples/s", "ratio", "target", ""], rows)
+        print_table("training throughput, tables in DRAM, uniform indices (median step; data generation excluded; "
+                    "ours with f32 and with bf16 dense matmuls, torch f32)",
+                    ["shape", "ours dense", "batch", "ours samples/s", "torch samples/s", "ratio", "target", ""], rows)
         print_table("where the time goes (ms per step; torch split by timing its step without embeddings)",
                     ["shape", "ours embeddings", "torch embeddings", "ratio", "ours dense", "torch dense", "ratio"],
                     [split_row(results[k]) for k in ("a", "b") if k in results])
         for key in ("a", "b"):
             if key in results:
-                ph = results[key]["ours_phase_ms"]
-                print(f"  ours {key} ms/step: " + ", ".join(f"{k} {v:.1f}" for k, v in ph.items() if v > 0))
+                for prec, name in (("f32", "ours_phase_ms"), ("bf16", "ours_bf16_phase_ms")):
+                    ph = results[key][name]
+                    print(f"  ours {key} ({prec}) ms/step: " + ", ".join(f"{k} {v:.1f}" for k, v in ph.items() if v > 0))
     if "loss" not in skip:
         lc = loss_curves(q, 40 if q else 200)
         results["loss_curves"] = lc
-        print_table(f"loss curves on planted data, same initial weights ({lc['steps']} steps)",
-                    ["", "first 20 (ours)", "last 20 ours", "last 20 torch", "max |diff| per step",
-                     f"max |diff| {lc['window']}-step avg", ""],
-                    [["BCE", f"{lc['ours_first']:.4f}", f"{lc['ours_last']:.4f}", f"{lc['torch_last']:.4f}",
-                      f"{lc['max_abs_diff_per_step']:.1e}", f"{lc['max_abs_diff_moving_avg']:.1e}", verdict(lc["ok"])]])
+        print_table(f"loss curves on planted data, same initial weights ({lc['steps']} steps; target: 20-step "
+                    "moving averages within 0.01 of torch's)",
+                    ["ours dense", "first 20 (ours)", "last 20 ours", "last 20 torch", "max |diff| per step",
+                     "max |diff| 20-step avg", ""],
+                    [[prec, f"{c['ours_first']:.4f}", f"{c['ours_last']:.4f}", f"{c['torch_last']:.4f}",
+                      f"{c['max_abs_diff_per_step']:.1e}", f"{c['max_abs_diff_moving_avg']:.1e}", verdict(c["ok"])]
+                     for prec, c in ((p_, lc[p_]) for p_ in ("f32", "bf16"))])
     if "policies" not in skip:
         shp = dict(sh["b"])
         pol = policies(shp, 1 if q else 2, 2 if q else 4)
