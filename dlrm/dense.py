@@ -25,7 +25,7 @@ Parameters are a list of ``(W, b)`` pairs per MLP, ``W`` of shape ``(fan_in, fan
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -98,45 +98,66 @@ def init_dense(config: DLRMConfig, seed: int) -> dict:
 
 
 PRECISIONS = ("f32", "bf16")
+_BF16_MIN_DIM = 32  # smaller products stay float32 (XLA:CPU runs bf16 x bf16 -> f32 only in its library dots)
 
 
-@jax.custom_vjp
-def _linear_bf16(x, W):
-    return jnp.dot(x.astype(jnp.bfloat16), W.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+def _dot(a, b, low: bool):
+    """``a @ b`` with float32 result; bfloat16 operands when ``low`` and every dimension is large."""
+    if low and min(a.shape[0], a.shape[1], b.shape[1]) >= _BF16_MIN_DIM:
+        a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
 
-def _linear_bf16_fwd(x, W):
-    xb, Wb = x.astype(jnp.bfloat16), W.astype(jnp.bfloat16)
-    return jnp.dot(xb, Wb, preferred_element_type=jnp.float32), (xb, Wb)
+@lru_cache(maxsize=None)
+def _bf16_mlp(last_linear: bool):
+    """An MLP with bfloat16 matmul operands, float32 accumulation and a hand-written backward
+    that runs in the transposed space: with ``D`` the gradient at a layer's pre-activation, it
+    computes ``D^T`` (features x batch), ``dW^T = D^T H`` and the next ``D^T = W D^T``. Every
+    product then reads both operands row-major, the only form in which XLA:CPU's bf16 kernels
+    run at full speed here (autodiff's ``H^T D`` and ``D W^T`` ran at the float32 rate or below).
+    The optimization barriers keep XLA from folding the transposes back into the products."""
 
+    def forward(layers, x):
+        hs = [x]
+        h = x
+        for i, (W, b) in enumerate(layers):
+            h = _dot(h, W, True) + b
+            if not (last_linear and i == len(layers) - 1):
+                h = jax.nn.relu(h)
+            hs.append(h)
+        return h, (layers, hs)
 
-def _linear_bf16_bwd(res, g):
-    # The barriers make XLA write the transposes out, so both backward products are plain
-    # row-major matmuls, the form its bf16 kernels run fastest here.
-    xb, Wb = res
-    gb = g.astype(jnp.bfloat16)
-    dx = jnp.dot(gb, jax.lax.optimization_barrier(Wb.T), preferred_element_type=jnp.float32)
-    dW = jnp.dot(jax.lax.optimization_barrier(xb.T), gb, preferred_element_type=jnp.float32)
-    return dx, dW
+    @jax.custom_vjp
+    def mlp(layers, x):
+        return forward(layers, x)[0]
 
+    def backward(res, g):
+        layers, hs = res
+        n = len(layers)
+        Dt = jax.lax.optimization_barrier(g.T)
+        grads = [None] * n
+        for i in range(n - 1, -1, -1):
+            W, _ = layers[i]
+            if not (last_linear and i == n - 1):
+                Dt = jnp.where(hs[i + 1].T > 0, Dt, 0)
+            grads[i] = (jax.lax.optimization_barrier(_dot(Dt, hs[i], True)).T, jnp.sum(Dt, axis=1))
+            Dt = _dot(W, Dt, True)
+        return grads, jax.lax.optimization_barrier(Dt).T
 
-_linear_bf16.defvjp(_linear_bf16_fwd, _linear_bf16_bwd)
-
-
-def linear(x, W, precision: str = "f32"):
-    """``x @ W``. With ``precision="bf16"`` the operands of the forward and of both backward
-    products are rounded to bfloat16 and accumulated in float32 (mixed precision: the weights
-    themselves, their gradients and the SGD update stay float32, which is what the split-SGD
-    trick of dissertation section 5.5.2 reconstructs from two 16-bit halves)."""
-    if precision == "bf16":
-        return _linear_bf16(x, W)
-    return x @ W
+    mlp.defvjp(forward, backward)
+    return mlp
 
 
 def _mlp(layers, h, last_linear: bool, precision: str = "f32"):
+    """Linear layers with ReLU between them (and after the last unless ``last_linear``).
+    ``precision="bf16"``: matmul operands rounded to bfloat16, accumulated in float32; weights,
+    biases, gradients and the SGD update stay float32, which is what the split-SGD trick of
+    dissertation section 5.5.2 reconstructs from two 16-bit halves."""
+    if precision == "bf16":
+        return _bf16_mlp(last_linear)(layers, h)
     n = len(layers)
     for i, (W, b) in enumerate(layers):
-        h = linear(h, W, precision) + b
+        h = h @ W + b
         if not (last_linear and i == n - 1):
             h = jax.nn.relu(h)
     return h
