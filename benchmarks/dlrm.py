@@ -29,7 +29,8 @@ What it measures, and how:
    samples/s and the time per phase (lookup, dense
    forward+backward, embedding update, dense update, cache flush) for ``dram``, ``simple``
    (tables in PM) and, when ``embeddings.cached.CachedEmbeddings`` exists, ``static`` and
-   ``dynamic`` with 10% of each table cacheable, as in the dissertation's Figure 5.12. The PM
+   ``dynamic`` with 10% of each table cacheable (static: the hot set of 4 other batches; dynamic:
+   after 6 untimed steps), as in the dissertation's Figure 5.12. The PM
    device here is a file mapping on an ordinary file system, so "PM" runs at page-cache (DRAM)
    speed on this machine: the policy differences are overheads, not device bandwidth.
 
@@ -66,16 +67,20 @@ def shapes(quick: bool) -> dict:
 
 
 def build(shape: dict, policy: str, tmp: str, lr: float, seed: int = 0, cache_fraction: float = 0.1,
-          precision: str = "f32"):
+          precision: str = "f32", sample: list | None = None):
     from cachedarrays import DRAM, PM, LRUPolicy, Manager
     from dlrm import DLRM, DLRMConfig, make_tables
+    from dlrm.placement import cache_rows, hot_rows
 
     cfg = DLRMConfig(shape["sizes"], shape["F"], shape["bot"], shape["top"])
+    hot = None
+    if policy == "static" and sample is not None:  # the hot set of sample batches, as dlrm.train does
+        hot = hot_rows(sample, cfg.ntables, [cache_rows(n, cache_fraction) for n in cfg.table_sizes])
     nbytes = sum(shape["sizes"]) * shape["F"] * 4
     fast = {"dram": nbytes, "simple": 0}.get(policy, int(2 * cache_fraction * nbytes)) + (64 << 20)
     slow = (nbytes if policy != "dram" else 0) + (64 << 20)
     m = Manager(DRAM(fast), PM(tmp, slow), policy=LRUPolicy())
-    tables = make_tables(cfg.table_sizes, cfg.featuresize, policy, m, cache_fraction, seed)
+    tables = make_tables(cfg.table_sizes, cfg.featuresize, policy, m, cache_fraction, seed, hot=hot)
     return m, DLRM(cfg, tables, lr=lr, seed=seed, precision=precision)
 
 
@@ -187,21 +192,29 @@ def loss_curves(quick: bool, steps: int) -> dict:
     return {"steps": steps, "torch": theirs, **curves}
 
 
-def policies(shape: dict, steps: int, rounds: int) -> list[dict]:
-    """Every placement policy built side by side, then ``rounds`` rounds in which each policy runs
-    ``steps`` steps (order alternating), so that the machine's load drifts over all of them."""
+def policies(shape: dict, steps: int, rounds: int, warm: int) -> list[dict]:
+    """Every placement policy built side by side and trained ``warm`` untimed steps, then
+    ``rounds`` rounds in which each policy runs ``steps`` steps (order alternating), so that the
+    machine's load drifts over all of them."""
     from contextlib import ExitStack
 
-    from dlrm.placement import POLICIES, flush, hitrate
+    from dlrm.placement import POLICIES, flush, hitrate, reset_counters
 
-    batches = data_for(shape, "zipf", 3)
+    # every step sees a batch of its own (a cache must not learn a repeating pool); the static hot
+    # set comes from other batches of the same distribution, as `dlrm.train` samples it
+    batches = data_for(shape, "zipf", warm + steps * rounds)
+    sample = data_for(shape, "zipf", 4, seed=1)
     runs = {}
     with ExitStack() as stack:
         for policy in POLICIES:
             tmp = stack.enter_context(tempfile.TemporaryDirectory())
-            m, model = build(shape, policy, tmp, 0.01)
+            m, model = build(shape, policy, tmp, 0.01, sample=sample)
             stack.callback(m.close)
             model.warmup(batches[0])
+            for b in batches[:warm]:  # dynamic caches reach their steady state
+                model.train_step(b)
+            for t in model.tables:
+                reset_counters(t)
             m.reset_telemetry()
             model.timer.reset()
             runs[policy] = (m, model, [])
@@ -211,7 +224,7 @@ def policies(shape: dict, steps: int, rounds: int) -> list[dict]:
                 _, model, times = runs[policy]
                 for s in range(steps):
                     t = time.perf_counter()
-                    model.train_step(batches[(r * steps + s) % len(batches)])
+                    model.train_step(batches[warm + r * steps + s])
                     times.append(time.perf_counter() - t)
         out = []
         for policy, (m, model, times) in runs.items():
@@ -295,7 +308,7 @@ def main(argv=None) -> dict:
                      for prec, c in ((p_, lc[p_]) for p_ in ("f32", "bf16"))])
     if "policies" not in skip:
         shp = dict(sh["b"])
-        pol = policies(shp, 1 if q else 2, 2 if q else 4)
+        pol = policies(shp, 1 if q else 2, 2 if q else 4, 2 if q else 6)
         results["policies"] = pol
         names = ["lookup", "dense fwd+bwd", "embedding update", "dense update", "cache flush"]
         prow = []

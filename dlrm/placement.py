@@ -7,7 +7,7 @@ This module is the only place in ``dlrm`` that knows about table types and devic
   holds only lookup outputs and the dense computation.
 * ``static`` / ``dynamic``: `CachedEmbeddings` over a base table in the slow device, with
   ``cache_fraction`` of its rows cacheable in DRAM (rows cached up front and frozen, or cached
-  on access).
+  on access). The static hot set is given (e.g. :func:`hot_rows` of sample batches) or random.
 
 Tables are filled with the reference DLRM initialisation, uniform in +-sqrt(1/rows), from a
 per-table seeded stream (chunked, so a 10M-row table needs no float64 temporary).
@@ -15,12 +15,14 @@ per-table seeded stream (chunked, so a 10M-row table needs no float64 temporary)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from cachedarrays import CachedArray, LRUPolicy, Manager, readable, writable
 from embeddings import CachedEmbeddings, EmbeddingTable, SimpleEmbedding
+
+from .data.batch import Batch
 
 POLICIES = ("dram", "simple", "static", "dynamic")
 _INIT_CHUNK = 1 << 20  # rows per initialisation chunk
@@ -49,13 +51,34 @@ def init_table(x: CachedArray, seed: int, table: int) -> None:
             chunk -= bound
 
 
+def hot_rows(batches: Iterable[Batch], ntables: int, counts: Sequence[int]) -> list[np.ndarray]:
+    """Per table, the ``counts[t]`` rows looked up most often in ``batches`` (most frequent
+    first; fewer when fewer distinct rows occur): the hot set a ``static`` cache is filled with."""
+    seen: list[list[np.ndarray]] = [[] for _ in range(ntables)]
+    for b in batches:
+        for t in range(ntables):
+            seen[t].append(b.bags(t)[0])
+    out = []
+    for t in range(ntables):
+        rows, n = np.unique(np.concatenate(seen[t]) if seen[t] else np.zeros(0, np.int64), return_counts=True)
+        top = np.argsort(-n, kind="stable")[:int(counts[t])]
+        out.append(rows[top].astype(np.int64))
+    return out
+
+
+def cache_rows(nrows: int, cache_fraction: float) -> int:
+    """Rows a static or dynamic cache of ``cache_fraction`` of an ``nrows``-row table holds."""
+    return max(1, int(round(cache_fraction * int(nrows))))
+
+
 def make_tables(sizes: Sequence[int], featuresize: int, policy: str, manager: Manager,
                 cache_fraction: float = 0.1, seed: int = 0, names: Sequence[str] | None = None,
-                init: bool = True) -> list[EmbeddingTable]:
+                init: bool = True, hot: Sequence[np.ndarray] | None = None) -> list[EmbeddingTable]:
     """Create (and initialise) one embedding table per entry of ``sizes`` under ``policy``.
 
     ``manager`` must have the fast device (DRAM) and the slow device (PM) and a policy whose
-    ``alloc_fast`` / ``alloc_slow`` place objects there (e.g. ``LRUPolicy()``).
+    ``alloc_fast`` / ``alloc_slow`` place objects there (e.g. ``LRUPolicy()``). ``hot``: per
+    table, the rows a ``static`` cache holds (see :func:`hot_rows`); random rows when None.
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -77,8 +100,9 @@ def make_tables(sizes: Sequence[int], featuresize: int, policy: str, manager: Ma
         if init:
             init_table(x, seed, t)
         if cached:
-            rows = max(1, int(round(cache_fraction * int(n))))
-            tables.append(CachedEmbeddings(x, policy=policy, cache_rows=rows, name=name))
+            rows = cache_rows(n, cache_fraction)
+            hot_t = hot[t] if hot is not None and policy == "static" else None
+            tables.append(CachedEmbeddings(x, policy=policy, cache_rows=rows, hot=hot_t, name=name))
         else:
             tables.append(SimpleEmbedding(x, name=name))
     return tables
@@ -120,10 +144,17 @@ def flush(t: EmbeddingTable) -> None:
 
 
 def make_room(t: EmbeddingTable) -> None:
-    """Flush a full cached table before a lookup, so the flush is timed as its own phase
-    (``access_and_cache`` would otherwise do it inside the lookup)."""
-    if isinstance(t, CachedEmbeddings) and t.isfull():
+    """Flush a full dynamic cache before a lookup, so the flush is timed as its own phase
+    (``access_and_cache`` would otherwise do it inside the lookup). A static cache is full by
+    design and never caches again: flushing it would only drop its hottest rows."""
+    if isinstance(t, CachedEmbeddings) and t.policy == "dynamic" and t.isfull():
         t.flush_dirty()
+
+
+def reset_counters(t: EmbeddingTable) -> None:
+    """Start a cached table's hit/miss counts afresh (e.g. after a warm-up)."""
+    if isinstance(t, CachedEmbeddings):
+        t.reset_counters()
 
 
 def hitrate(t: EmbeddingTable) -> float | None:

@@ -18,7 +18,7 @@ import time
 from . import checkpoint
 from .dense import DLRMConfig
 from .metrics import accuracy
-from .placement import POLICIES, flush, hitrate, make_tables, table_devices
+from .placement import POLICIES, cache_rows, flush, hitrate, hot_rows, make_tables, table_devices
 
 DEFAULTS = dict(sizes="100000-50000-20000-10000-5000-2000-1000-500", bot="13-512-256-64-16", top="512-256-1")
 
@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--policy", choices=POLICIES, default="dram",
                    help="dram: tables in DRAM; simple: tables in PM; static/dynamic: CachedEmbeddings")
     m.add_argument("--cache-fraction", type=float, default=0.1, help="static/dynamic: cached rows per table")
+    m.add_argument("--static-sample-batches", type=int, default=16,
+                   help="static: fill the cache with the rows most used in this many training batches "
+                        "(0: random rows)")
     m.add_argument("--fast-capacity", default="auto", help="DRAM heap size (auto: what the policy needs)")
     m.add_argument("--slow-capacity", default="auto", help="PM heap size (auto: the tables plus slack)")
     m.add_argument("--pm-path", default=None, help="directory or file for the PM heap (default: a temp dir)")
@@ -165,7 +168,12 @@ def run(args) -> dict:
 
     with make_manager(args, table_bytes, F) as manager:
         t0 = time.perf_counter()
-        tables = make_tables(sizes, F, args.policy, manager, args.cache_fraction, args.seed)
+        hot = None
+        if args.policy == "static" and args.static_sample_batches > 0:
+            n = min(args.static_sample_batches, per_epoch)
+            hot = hot_rows((data.batch(i) for i in range(n)), len(sizes),
+                           [cache_rows(r, args.cache_fraction) for r in sizes])
+        tables = make_tables(sizes, F, args.policy, manager, args.cache_fraction, args.seed, hot=hot)
         model = DLRM(cfg, tables, optimizer=args.optimizer, lr=args.learning_rate, seed=args.seed,
                      precision=args.dense_precision)
         start = 0

@@ -116,3 +116,26 @@ def test_demo_runs_and_prints_the_summary(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "policy dynamic" in out and "hit rate" in out
     assert "embedding update" in out and "peak memory per device" in out
+
+
+def test_static_policy_caches_the_rows_most_used_in_sample_batches(tmp_path):
+    common = ["--policy", "static", "--num-batches", "20", "--test-freq", "0", "--cache-fraction", "0.1",
+              "--index-distribution", "zipf"]
+    sampled = run(tmp_path / "a", *common)
+    random = run(tmp_path / "b", *common, "--static-sample-batches", "0")
+    big = [t for t in sampled["summary"]["tables"] if t["rows"] == 1000][0]["hitrate"]
+    big_random = [t for t in random["summary"]["tables"] if t["rows"] == 1000][0]["hitrate"]
+    assert big > 0.4 and big_random < 0.25  # Zipf(1): the top 10% of rows take about half the lookups
+
+
+def test_hot_rows_are_the_most_frequent_rows_of_the_sample():
+    from dlrm.data.batch import Batch
+    from dlrm.placement import hot_rows
+
+    def batch(a, b):
+        return Batch(np.zeros((len(a), 1), np.float32), [np.asarray(a), np.asarray(b).reshape(len(a), -1)],
+                     np.zeros(len(a), np.float32))
+
+    got = hot_rows([batch([3, 3, 1, 7], [5, 5, 5, 2, 2, 9, 9, 9]), batch([7, 3, 0, 0], [9] * 8)], 2, [2, 5])
+    assert got[0].tolist() == [3, 0] or got[0].tolist() == [3, 7]  # 3 thrice, then 0 and 7 twice
+    assert got[1].tolist() == [9, 5, 2]  # only three distinct rows
