@@ -245,15 +245,22 @@ def readable(x: CachedArray) -> CachedArray:
     ``with readable(x) as a:`` gives a numpy array with ``writeable=False``.
     """
     _require(x)
-    x.policy.read_use(x.object)
-    return _wrap(x, Status.ReadOnly)
+    with x.manager.lock():  # no move between the use and the pin
+        x.policy.read_use(x.object)
+        return _wrap(x, Status.ReadOnly)
 
 
 def writable(x: CachedArray) -> CachedArray:
-    """A ReadWrite view of ``x``: a write use (marks the primary dirty), then pinned while held."""
+    """A ReadWrite view of ``x``: a write use (marks the primary dirty), then pinned while held.
+
+    The use and the pin happen under one manager lock: were another thread to move ``x`` in
+    between (evict the dirty copy, prefetch it back clean), the writes would land in a region
+    not marked dirty, and the next eviction would drop them (seen in the Listing 6.1 test).
+    """
     _require(x)
-    x.policy.write_use(x.object)
-    return _wrap(x, Status.ReadWrite)
+    with x.manager.lock():
+        x.policy.write_use(x.object)
+        return _wrap(x, Status.ReadWrite)
 
 
 def release(x: CachedArray) -> CachedArray:

@@ -208,3 +208,41 @@ def test_listing_6_1_race_cannot_tear_a_write():
     assert errors == [] and rounds[0] > 0
     assert m.telemetry()["counters"].get("prefetches", 0) > 0  # the other thread really moved data
     m.check()
+
+
+def test_no_move_between_write_use_and_pin(monkeypatch):
+    """Deterministic Listing 6.1 race: another thread tries to evict and re-fetch ``x`` right
+    between writable's write use and its pin. It must wait for the pin (and then find ``x``
+    pinned); were it to get in, the write would land in a clean copy and be dropped on eviction."""
+    import cachedarrays.array as A
+
+    m = Manager(DRAM("1MiB"), PM(None, "4MiB"), policy=LRUPolicy())
+    x = CachedArray(np.zeros(1000, np.float32), m)
+    real_wrap = A._wrap
+    outcome = []
+
+    def mover():
+        try:
+            ca.evict(x)
+            ca.prefetch(x)
+            outcome.append("moved")
+        except ca.PinnedError:
+            outcome.append("pinned")
+
+    def racing_wrap(arr, status):
+        t = threading.Thread(target=mover)
+        t.start()
+        t.join(0.5)  # the mover runs now unless writable holds the manager's lock
+        view = real_wrap(arr, status)
+        monkeypatch.setattr(A, "_wrap", real_wrap)
+        racing_wrap.thread = t
+        return view
+
+    monkeypatch.setattr(A, "_wrap", racing_wrap)
+    with writable(x) as a:
+        a[:] = 7
+    racing_wrap.thread.join()
+    assert outcome == ["pinned"]
+    ca.evict(x)
+    assert np.all(np.asarray(x) == 7)
+    m.check()
