@@ -42,19 +42,19 @@ def run_lookup(out: np.ndarray, src: RowSource, bags: Bags) -> None:
         return
     dist = prefetch_distance(src.base.shape[1] * src.base.itemsize)
     spec = spec_for(out.shape[1])
-    serial = bags.indices.size * out.shape[1] < config.SERIAL_WORK or get_num_threads() == 1
+    P = get_num_threads()
+    serial = bags.indices.size * out.shape[1] < config.SERIAL_WORK or P == 1
     if bags.offsets is None:
         if serial:
             K.gather_serial(spec, out, src.base, src.cache, src.slots, src.codec, bags.indices, dist)
         else:
-            K.gather(spec, out, src.base, src.cache, src.slots, src.codec, bags.indices, dist,
-                     get_num_threads())
+            K.gather(spec, out, src.base, src.cache, src.slots, src.codec, bags.indices, dist, P)
     elif serial:
         K.pooled_serial(spec, out, src.base, src.cache, src.slots, src.codec, bags.indices, bags.offsets,
                         bags.weights, bags.mean, dist)
     else:
         K.pooled(spec, out, src.base, src.cache, src.slots, src.codec, bags.indices, bags.offsets,
-                 bags.weights, bags.mean, dist, get_num_threads())
+                 bags.weights, bags.mean, dist, P)
 
 
 def lookup_into(out: np.ndarray, table: EmbeddingTable, indices: object, offsets: object | None = None,

@@ -10,6 +10,7 @@ do both in one parallel region, each thread owning a range of rows; small ones (
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from dataclasses import dataclass
@@ -71,12 +72,12 @@ class Workspace:
     def get(self, name: str, shape: tuple[int, ...], dtype: type, fill: int | None = None) -> np.ndarray:
         """An array of ``shape`` (a view of a reused buffer). ``fill``: the value a new buffer is
         created with; callers that need it keep that invariant between calls (``head`` is -1)."""
-        n = int(np.prod(shape))
+        n = math.prod(shape)
         a = self._arrays.get(name)
         if a is None or a.size < n:
             a = np.empty(max(n, 1), dtype) if fill is None else np.full(max(n, 1), fill, dtype)
             self._arrays[name] = a
-        return a[:n].reshape(shape)
+        return a[:n] if len(shape) == 1 else a[:n].reshape(shape)
 
 
 _local = threading.local()
