@@ -7,5 +7,5 @@ serially up to a few MB, which keeps the number of parallel regions per call low
 
 SERIAL_WORK = 1 << 16  # floats touched by a lookup/update: below this, run serially
 SERIAL_CHECK = 1 << 21  # elements validated: below this, check serially (a streaming scan)
-PARALLEL_REINDEX_MIN = 1 << 16  # indices: below this one thread reindexes
+PARALLEL_REINDEX_MIN = 1 << 22  # indices: from here pullback reindexes per thread (row ranges) in one region
 FIRST_USE_MAX = 1 << 16  # indices: up to this many, update plans list rows in order of first use

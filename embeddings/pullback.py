@@ -3,9 +3,11 @@
 ``pullback(table, grad, indices, offsets, optimizer=...)`` validates everything first (indices,
 offsets, gradient shape/dtype, finiteness), then reindexes the batch into a CSR of unique rows
 by radix sort (:mod:`embeddings.kernels.reindex`) and runs the fused accumulate-and-apply kernel
-(:mod:`embeddings.kernels.update`) in the ``Update`` context. Large batches on several threads
-do both in one parallel region, each thread owning a range of rows; small ones (and
-:func:`sparse_gradient`) build one plan on the calling thread and update in parallel.
+(:mod:`embeddings.kernels.update`) in the ``Update`` context. Batches build one plan on the
+calling thread (~6 ns per index) and update in parallel: one parallel region per call, which on
+a shared machine (where every region may wait for a core) beat reindexing per thread. Only from
+``config.PARALLEL_REINDEX_MIN`` indices do the threads reindex and update in one region, each
+owning a range of rows.
 """
 
 from __future__ import annotations
@@ -113,10 +115,12 @@ def make_plan(table: EmbeddingTable, bags: Bags) -> UpdatePlan:
         return UpdatePlan(uniq[:n], starts[: n + 1], ent_bag, ent_coef)
     npass, dbits = sort_params(nvec)
     first_use = L <= config.FIRST_USE_MAX
+    by_pos = first_use or bags.weights.size > 0
     n = reindex_sort_serial(bags.indices, bag_offsets(bags), bags.weights, bags.mean, npass, dbits, first_use,
                             ws.get("keys", (L,), np.int64), ws.get("tmp", (L,), np.int64),
-                            ws.get("hist", (1 << dbits,), np.int64), ws.get("bagpos", (L,), np.int32),
-                            ws.get("coefpos", (L if need_coef else 0,), np.float32),
+                            ws.get("hists", (npass, 1 << dbits), np.int64),
+                            ws.get("bagpos", (L if by_pos else 0,), np.int32),
+                            ws.get("coefpos", (L if by_pos and need_coef else 0,), np.float32),
                             ws.get("head", (L if first_use else 0,), np.int64, fill=-1),
                             uniq, starts, ent_bag, ent_coef)
     return UpdatePlan(uniq[:n], starts[: n + 1], ent_bag, ent_coef)
@@ -135,9 +139,9 @@ def run_parts(table: EmbeddingTable, g: np.ndarray, bags: Bags, opt: int, lr: fl
     with table.rows(UPDATE, bags.indices, writable=True) as src:
         dist = prefetch_distance(src.base.shape[1] * src.base.itemsize)
         U.pullback_parts(spec_for(table.featuresize()), src.base, src.cache, src.slots, src.codec, g,
-                         bags.indices, bag_offsets(bags), bags.weights, bags.mean, row_bits(nvec), npass, dbits,
+                         bags.indices, bag_offsets(bags), bags.weights, bags.mean, row_bits(nvec), dbits,
                          ws.get("pkeys", (P, L), np.int64), ws.get("ptmp", (P, L), np.int64),
-                         ws.get("phist", (P, 1 << dbits), np.int64),
+                         ws.get("phists", (P, npass, 1 << dbits), np.int64),
                          ws.get("bagpos", (L if weighted else 0,), np.int32),
                          ws.get("coefpos", (L if weighted else 0,), np.float32),
                          ws.get("puniq", (P, L), np.int64), ws.get("pstarts", (P, L + 1), np.int64),

@@ -72,10 +72,11 @@ def test_serial_radix_plan_matches_dense_map(batch, first_use):
     npass, dbits = sort_params(N)
     head = np.full(L, -1, np.int64)
     o_uniq, _, o_starts, o_bag, o_coef = plan_arrays(L, need)
+    by_pos = first_use or weights is not None
     n = reindex_sort_serial(idx, offsets, np.empty(0, np.float32) if weights is None else weights, mean, npass,
                             dbits, first_use, np.empty(L, np.int64), np.empty(L, np.int64),
-                            np.empty(1 << dbits, np.int64), np.empty(L, np.int32),
-                            np.empty(L if need else 0, np.float32), head, o_uniq, o_starts, o_bag, o_coef)
+                            np.empty((npass, 1 << dbits), np.int64), np.empty(L if by_pos else 0, np.int32),
+                            np.empty(L if by_pos and need else 0, np.float32), head, o_uniq, o_starts, o_bag, o_coef)
     assert n == U == len(set(idx.tolist()))
     assert (head == -1).all()
     if first_use:  # exactly the dense map's plan
@@ -102,8 +103,8 @@ def test_partitioned_plans_split_rows_by_owner(batch, P):
     total = 0
     for t in range(P):
         p_uniq, _, p_starts, p_bag, p_coef = plan_arrays(L, need)
-        n = reindex_part(idx, offsets, w, mean, t, P, rb, npass, dbits, np.empty(L, np.int64), np.empty(L, np.int64),
-                         np.empty(1 << dbits, np.int64), bagpos, coefpos, p_uniq, p_starts, p_bag, p_coef)
+        n = reindex_part(idx, offsets, w, mean, t, P, rb, dbits, np.empty(L, np.int64), np.empty(L, np.int64),
+                         np.empty((npass, 1 << dbits), np.int64), bagpos, coefpos, p_uniq, p_starts, p_bag, p_coef)
         rows = p_uniq[:n]
         assert (np.diff(rows) > 0).all()
         assert all(owner(int(r), P, rb) == t for r in rows)

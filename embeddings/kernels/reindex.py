@@ -130,18 +130,30 @@ def sortable(nvectors: int, nindices: int) -> bool:
     return nvectors <= 1 << 31 and nindices < 1 << KEY_SHIFT
 
 
+@njit(cache=True, inline="always")
+def _count_digits(h, npass, nb, r, dbits, mask):
+    """Count row ``r``'s digit of every pass in ``h`` (the npass x nb histograms, flat). Digit
+    counts do not depend on the order of the keys, so all passes' histograms come from the one
+    pass that builds the keys. Two passes (tables of 2**12 to 2**22 rows) are spelled out."""
+    if npass == 2:
+        h[r & mask] += 1
+        h[nb + ((r >> dbits) & mask)] += 1
+    else:
+        for i in range(npass):
+            h[i * nb + ((r >> (i * dbits)) & mask)] += 1
+
+
 @njit(cache=True)
-def _sort(keys, tmp, n, npass, dbits, hist):
-    """Stable LSD radix sort of ``keys[:n]`` by the row bits (above :data:`KEY_SHIFT`), using
-    ``tmp[:n]`` and ``hist`` (2**dbits int64); returns whichever of the two holds the result."""
+def _sort(keys, tmp, n, dbits, hists):
+    """Stable LSD radix sort of ``keys[:n]`` by the row bits (above :data:`KEY_SHIFT`), one pass
+    per row of ``hists`` (npass x 2**dbits digit counts, see :func:`_count_digits`; used up),
+    using ``tmp[:n]``; returns whichever of the two holds the result."""
     mask = (np.int64(1) << dbits) - 1
     src = keys
     dst = tmp
-    for i in range(npass):
+    for i in range(hists.shape[0]):
         shift = KEY_SHIFT + i * dbits
-        hist[:] = 0
-        for p in range(n):
-            hist[(src[p] >> shift) & mask] += 1
+        hist = hists[i]
         if hist[(src[0] >> shift) & mask] == n:
             continue  # one digit value only: this pass would not move anything
         acc = 0
@@ -160,7 +172,35 @@ def _sort(keys, tmp, n, npass, dbits, hist):
 
 
 @njit(cache=True)
-def reindex_sort_serial(idx, offsets, weights, mean, npass, dbits, first_use, keys, tmp, hist, bagpos, coefpos,
+def _emit_sorted(srt, n, offsets, mean, by_position, bagpos, coefpos, uniq, starts, ent_bag, ent_coef):
+    """CSR of sorted keys ``srt[:n]`` in row order; returns U. Payloads are positions (bag and
+    coefficient looked up in ``bagpos``/``coefpos``) when ``by_position``, else bags."""
+    has_coef = ent_coef.size > 0
+    U = 0
+    prev = -1
+    for q in range(n):
+        k = srt[q]
+        r = k >> KEY_SHIFT
+        if r != prev:
+            uniq[U] = r
+            starts[U] = q
+            U += 1
+            prev = r
+        pl = k & _LOW
+        if by_position:
+            ent_bag[q] = bagpos[pl]
+            if has_coef:
+                ent_coef[q] = coefpos[pl]
+        else:
+            ent_bag[q] = pl
+            if has_coef:
+                ent_coef[q] = (np.float32(1.0) / np.float32(offsets[pl + 1] - offsets[pl])) if mean else np.float32(1.0)
+    starts[U] = n
+    return U
+
+
+@njit(cache=True)
+def reindex_sort_serial(idx, offsets, weights, mean, npass, dbits, first_use, keys, tmp, hists, bagpos, coefpos,
                         head, uniq, starts, ent_bag, ent_coef):
     """Build the update plan of :func:`reindex_into` (same outputs) by radix sort; return the
     number of unique rows U.
@@ -168,14 +208,21 @@ def reindex_sort_serial(idx, offsets, weights, mean, npass, dbits, first_use, ke
     ``first_use``: emit the unique rows in order of first use, as :func:`reindex_into` does (for
     small batches, where it lets the update read the gradient rows in order), else in ascending
     row order (cheaper for large batches: the walk in first-use order reads the sorted keys at
-    random). Workspace: ``keys``/``tmp`` (len(idx) int64), ``hist`` (2**dbits int64), ``bagpos``
-    (len(idx) int32), ``coefpos`` (len(idx) float32, or empty when no coefficients are needed),
-    ``head`` (len(idx) int64, all -1 on entry and again on return; unused unless ``first_use``).
+    random). Keys carry the position when ``first_use`` or weighted, else the bag. Workspace:
+    ``keys``/``tmp`` (len(idx) int64), ``hists`` (npass x 2**dbits int64), ``bagpos`` (len(idx)
+    int32, or empty when keys carry bags), ``coefpos`` (len(idx) float32, or empty when keys carry
+    bags or no coefficients are needed), ``head`` (len(idx) int64, all -1 on entry and again on
+    return; unused unless ``first_use``).
     """
     L = idx.size
     B = offsets.size - 1
     has_coef = ent_coef.size > 0
     has_w = weights.size > 0
+    by_pos = first_use or has_w
+    mask = (np.int64(1) << dbits) - 1
+    npass, nb = hists.shape
+    h = hists.reshape(-1)
+    h[:] = 0
     for b in range(B):
         s = offsets[b]
         e = offsets[b + 1]
@@ -183,36 +230,28 @@ def reindex_sort_serial(idx, offsets, weights, mean, npass, dbits, first_use, ke
         if mean and e > s:
             scale = np.float32(1.0) / np.float32(e - s)
         for p in range(s, e):
-            keys[p] = (np.int64(idx[p]) << KEY_SHIFT) | p
-            bagpos[p] = b
-            if has_coef:
-                coefpos[p] = (weights[p] * scale) if has_w else scale
+            r = np.int64(idx[p])
+            _count_digits(h, npass, nb, r, dbits, mask)
+            if by_pos:
+                keys[p] = (r << KEY_SHIFT) | p
+                bagpos[p] = b
+                if has_coef:
+                    coefpos[p] = (weights[p] * scale) if has_w else scale
+            else:
+                keys[p] = (r << KEY_SHIFT) | b
     if L == 0:
         starts[0] = 0
         return 0
-    srt = _sort(keys, tmp, L, npass, dbits, hist)
-    U = 0
-    prev = -1
+    srt = _sort(keys, tmp, L, dbits, hists)
     if not first_use:
-        for q in range(L):
-            k = srt[q]
-            r = k >> KEY_SHIFT
-            if r != prev:
-                uniq[U] = r
-                starts[U] = q
-                U += 1
-                prev = r
-            pl = k & _LOW
-            ent_bag[q] = bagpos[pl]
-            if has_coef:
-                ent_coef[q] = coefpos[pl]
-        starts[U] = L
-        return U
+        return _emit_sorted(srt, L, offsets, mean, by_pos, bagpos, coefpos, uniq, starts, ent_bag, ent_coef)
+    prev = -1
     for q in range(L):  # each row's first position (its first sorted entry) -> its group
         r = srt[q] >> KEY_SHIFT
         if r != prev:
             head[srt[q] & _LOW] = q
             prev = r
+    U = 0
     e = 0
     for p in range(L):
         q = head[p]
@@ -241,18 +280,22 @@ def owner(r, P, rbits):
 
 
 @njit(cache=True)
-def reindex_part(idx, offsets, weights, mean, t, P, rbits, npass, dbits, keys, tmp, hist, bagpos, coefpos,
+def reindex_part(idx, offsets, weights, mean, t, P, rbits, dbits, keys, tmp, hists, bagpos, coefpos,
                  uniq, starts, ent_bag, ent_coef):
     """Thread ``t``'s part of a parallel reindexing: the CSR of the rows it owns (:func:`owner`),
     in ascending row order, in its own buffers ``uniq``/``starts``/``ent_bag``/``ent_coef``/
     ``keys``/``tmp`` (len(idx) each, ``starts`` one more; ``ent_coef`` empty when no coefficients
-    are needed) and ``hist``. Weighted batches carry the position as payload and write the bag and
-    coefficient of each of the thread's positions to the shared ``bagpos``/``coefpos`` (disjoint
-    positions); otherwise the payload is the bag. Returns the number of unique rows.
+    are needed) and ``hists`` (npass x 2**dbits). Weighted batches carry the position as payload
+    and write the bag and coefficient of each of the thread's positions to the shared
+    ``bagpos``/``coefpos`` (disjoint positions); otherwise the payload is the bag. Returns the
+    number of unique rows.
     """
     B = offsets.size - 1
-    has_coef = ent_coef.size > 0
     has_w = weights.size > 0
+    mask = (np.int64(1) << dbits) - 1
+    npass, nb = hists.shape
+    h = hists.reshape(-1)
+    h[:] = 0
     n = 0
     for b in range(B):
         s = offsets[b]
@@ -260,6 +303,7 @@ def reindex_part(idx, offsets, weights, mean, t, P, rbits, npass, dbits, keys, t
         for p in range(s, e):
             r = np.int64(idx[p])
             if owner(r, P, rbits) == t:
+                _count_digits(h, npass, nb, r, dbits, mask)
                 if has_w:
                     keys[n] = (r << KEY_SHIFT) | p
                     bagpos[p] = b
@@ -270,24 +314,5 @@ def reindex_part(idx, offsets, weights, mean, t, P, rbits, npass, dbits, keys, t
     if n == 0:
         starts[0] = 0
         return 0
-    srt = _sort(keys, tmp, n, npass, dbits, hist)
-    U = 0
-    prev = -1
-    for q in range(n):
-        k = srt[q]
-        r = k >> KEY_SHIFT
-        if r != prev:
-            uniq[U] = r
-            starts[U] = q
-            U += 1
-            prev = r
-        pl = k & _LOW
-        if has_w:
-            ent_bag[q] = bagpos[pl]
-            ent_coef[q] = coefpos[pl]
-        else:
-            ent_bag[q] = pl
-            if has_coef:
-                ent_coef[q] = np.float32(1.0) / np.float32(offsets[pl + 1] - offsets[pl])
-    starts[U] = n
-    return U
+    srt = _sort(keys, tmp, n, dbits, hists)
+    return _emit_sorted(srt, n, offsets, mean, has_w, bagpos, coefpos, uniq, starts, ent_bag, ent_coef)
