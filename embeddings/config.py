@@ -6,6 +6,6 @@ serially up to a few MB, which keeps the number of parallel regions per call low
 """
 
 SERIAL_WORK = 1 << 16  # floats touched by a lookup/update: below this, run serially
-SERIAL_CHECK = 1 << 21  # elements validated: below this, check serially (a streaming scan)
+SERIAL_CHECK = 1 << 24  # elements validated: below this, check serially (vectorised, one core reads at memory speed)
 PARALLEL_REINDEX_MIN = 1 << 22  # indices: from here pullback reindexes per thread (row ranges) in one region
 FIRST_USE_MAX = 1 << 16  # indices: up to this many, update plans list rows in order of first use
