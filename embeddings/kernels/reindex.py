@@ -199,6 +199,19 @@ def _emit_sorted(srt, n, offsets, mean, by_position, bagpos, coefpos, uniq, star
     return U
 
 
+@njit(cache=True, inline="always")
+def _first_bag(offsets, L, mean):
+    """(first non-empty bag, its mean scale) of a batch of L > 0 indices; (0, 1) when L == 0."""
+    b = 0
+    scale = np.float32(1.0)
+    if L > 0:
+        while offsets[b + 1] <= 0:
+            b += 1
+        if mean:
+            scale = np.float32(1.0) / np.float32(offsets[b + 1] - offsets[b])
+    return b, scale
+
+
 @njit(cache=True)
 def reindex_sort_serial(idx, offsets, weights, mean, npass, dbits, first_use, keys, tmp, hists, bagpos, coefpos,
                         head, uniq, starts, ent_bag, ent_coef):
@@ -215,7 +228,6 @@ def reindex_sort_serial(idx, offsets, weights, mean, npass, dbits, first_use, ke
     return; unused unless ``first_use``).
     """
     L = idx.size
-    B = offsets.size - 1
     has_coef = ent_coef.size > 0
     has_w = weights.size > 0
     by_pos = first_use or has_w
@@ -223,22 +235,22 @@ def reindex_sort_serial(idx, offsets, weights, mean, npass, dbits, first_use, ke
     npass, nb = hists.shape
     h = hists.reshape(-1)
     h[:] = 0
-    for b in range(B):
-        s = offsets[b]
-        e = offsets[b + 1]
-        scale = np.float32(1.0)
-        if mean and e > s:
-            scale = np.float32(1.0) / np.float32(e - s)
-        for p in range(s, e):
-            r = np.int64(idx[p])
-            _count_digits(h, npass, nb, r, dbits, mask)
-            if by_pos:
-                keys[p] = (r << KEY_SHIFT) | p
-                bagpos[p] = b
-                if has_coef:
-                    coefpos[p] = (weights[p] * scale) if has_w else scale
-            else:
-                keys[p] = (r << KEY_SHIFT) | b
+    b, scale = _first_bag(offsets, L, mean)
+    for p in range(L):  # one flat loop: with one index per bag a loop per bag cost 1.5x more
+        if offsets[b + 1] <= p:
+            while offsets[b + 1] <= p:
+                b += 1
+            if mean:
+                scale = np.float32(1.0) / np.float32(offsets[b + 1] - offsets[b])
+        r = np.int64(idx[p])
+        _count_digits(h, npass, nb, r, dbits, mask)
+        if by_pos:
+            keys[p] = (r << KEY_SHIFT) | p
+            bagpos[p] = b
+            if has_coef:
+                coefpos[p] = (weights[p] * scale) if has_w else scale
+        else:
+            keys[p] = (r << KEY_SHIFT) | b
     if L == 0:
         starts[0] = 0
         return 0
@@ -290,27 +302,30 @@ def reindex_part(idx, offsets, weights, mean, t, P, rbits, dbits, keys, tmp, his
     ``bagpos``/``coefpos`` (disjoint positions); otherwise the payload is the bag. Returns the
     number of unique rows.
     """
-    B = offsets.size - 1
+    L = idx.size
     has_w = weights.size > 0
     mask = (np.int64(1) << dbits) - 1
     npass, nb = hists.shape
     h = hists.reshape(-1)
     h[:] = 0
     n = 0
-    for b in range(B):
-        s = offsets[b]
-        e = offsets[b + 1]
-        for p in range(s, e):
-            r = np.int64(idx[p])
-            if owner(r, P, rbits) == t:
-                _count_digits(h, npass, nb, r, dbits, mask)
-                if has_w:
-                    keys[n] = (r << KEY_SHIFT) | p
-                    bagpos[p] = b
-                    coefpos[p] = weights[p] * ((np.float32(1.0) / np.float32(e - s)) if mean else np.float32(1.0))
-                else:
-                    keys[n] = (r << KEY_SHIFT) | b
-                n += 1
+    b, scale = _first_bag(offsets, L, mean)
+    for p in range(L):
+        if offsets[b + 1] <= p:
+            while offsets[b + 1] <= p:
+                b += 1
+            if mean:
+                scale = np.float32(1.0) / np.float32(offsets[b + 1] - offsets[b])
+        r = np.int64(idx[p])
+        if owner(r, P, rbits) == t:
+            _count_digits(h, npass, nb, r, dbits, mask)
+            if has_w:
+                keys[n] = (r << KEY_SHIFT) | p
+                bagpos[p] = b
+                coefpos[p] = weights[p] * scale
+            else:
+                keys[n] = (r << KEY_SHIFT) | b
+            n += 1
     if n == 0:
         starts[0] = 0
         return 0
