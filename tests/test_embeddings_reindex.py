@@ -189,3 +189,24 @@ def test_cached_table_updates_through_pointer_table_in_both_paths(threads):
     with ca.readable(t.base_array) as b:
         np.testing.assert_allclose(b, ref.data, rtol=1e-6, atol=1e-6)
     t.close()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_tables_too_large_for_packed_keys_fall_back_to_the_dense_map(monkeypatch, threads):
+    """Rows >= 2**31 (or 2**32 indices) do not fit the packed key: the dense map builds the plan."""
+    import importlib
+    PB = importlib.import_module("embeddings.pullback")
+    monkeypatch.setattr(PB, "sortable", lambda nvectors, nindices: False)
+    rng = np.random.default_rng(11)
+    table = rng.standard_normal((40, 8)).astype(np.float32)
+    idx = rng.integers(0, 40, (30, 4))
+    g = rng.standard_normal((30, 8)).astype(np.float32)
+    t = E.SimpleEmbedding(table.copy())
+    with numba_threads(threads):
+        E.pullback(t, g, idx, mode="mean", optimizer=E.SGD(0.5))
+        rows, vals = E.sparse_gradient(E.SimpleEmbedding(table), g, idx, mode="mean")
+    G = np.zeros((40, 8))
+    np.add.at(G, idx.reshape(-1), np.repeat(g.astype(np.float64), 4, axis=0) / 4)
+    np.testing.assert_allclose(t.data, table - 0.5 * G, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(vals, G[rows], rtol=1e-5, atol=1e-6)
+    assert (PB.scratch_for(t) == -1).all()
