@@ -37,8 +37,8 @@ Plugging in
 * Kernels never see Python objects: tables reach them as (base, cache, slots, codec) and a
   ``spec`` tuple that makes the feature size a compile-time constant (sizes 8, 16, 32, 64, 128,
   256 get explicit ``<8 x float>`` SIMD code with a register accumulator; others a generic loop).
-* Concurrency: two concurrent ``pullback`` calls on the same table are not safe (they share the
-  table's reindexing map, as they would share its rows).
+* Concurrency: two concurrent ``pullback`` calls on the same table are not safe (they would
+  share its rows); reindexing buffers are per Python thread.
 """
 
 from . import distributions

@@ -1,10 +1,12 @@
 """Tuning thresholds, read at call time (tests lower them to exercise the parallel kernels).
 
 A numba parallel region costs tens of microseconds to start on an idle machine and can cost
-milliseconds when the cores are shared, so small batches run on the calling thread, and cheap streaming passes (input validation) run
-serially up to a few MB, which keeps the number of parallel regions per call low.
+milliseconds when the cores are shared, so small batches run on the calling thread, input
+validation (vectorised, at memory speed on one core) runs serially up to 16M elements, and a
+pullback builds its update plan on the calling thread: a call opens at most one parallel region.
 """
 
 SERIAL_WORK = 1 << 16  # floats touched by a lookup/update: below this, run serially
-SERIAL_CHECK = 1 << 21  # elements validated: below this, check serially (a streaming scan)
-PARALLEL_REINDEX_MIN = 1 << 16  # indices: below this one thread reindexes
+SERIAL_CHECK = 1 << 24  # elements validated: below this, check serially (vectorised, one core reads at memory speed)
+PARALLEL_REINDEX_MIN = 1 << 22  # indices: from here pullback reindexes per thread (row ranges) in one region
+FIRST_USE_MAX = 1 << 16  # indices: up to this many, update plans list rows in order of first use

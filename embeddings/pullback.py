@@ -1,13 +1,19 @@
 """Backward pass: turn the output gradient into a table update, fused with the optimizer.
 
 ``pullback(table, grad, indices, offsets, optimizer=...)`` validates everything first (indices,
-offsets, gradient shape/dtype, finiteness), then builds the CSR update plan by reindexing
-(:mod:`embeddings.kernels.reindex`) and runs the fused accumulate-and-apply kernel
-(:mod:`embeddings.kernels.update`) in the ``Update`` context.
+offsets, gradient shape/dtype, finiteness), then reindexes the batch into a CSR of unique rows
+by radix sort (:mod:`embeddings.kernels.reindex`) and runs the fused accumulate-and-apply kernel
+(:mod:`embeddings.kernels.update`) in the ``Update`` context. Batches build one plan on the
+calling thread (~6 ns per index) and update in parallel: one parallel region per call, which on
+a shared machine (where every region may wait for a core) beat reindexing per thread. Only from
+``config.PARALLEL_REINDEX_MIN`` indices do the threads reindex and update in one region, each
+owning a range of rows.
 """
 
 from __future__ import annotations
 
+import math
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -17,7 +23,7 @@ from numba import get_num_threads
 from .batch import Bags, make_bags
 from .kernels import update as U
 from .kernels.checks import nonfinite_row
-from .kernels.reindex import plan_arrays, reindex_into, reindex_parallel
+from .kernels.reindex import reindex_into, reindex_sort_serial, row_bits, sort_params, sortable
 from .kernels.rowaccess import spec_for
 from . import config
 from .lookup import prefetch_distance
@@ -28,7 +34,8 @@ _scratch: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def scratch_for(table: EmbeddingTable) -> np.ndarray:
-    """The table's reindexing map (int32 per row, all -1 between calls), created on first use."""
+    """The table's dense reindexing map (int32 per row, all -1 between calls), created on first
+    use; only for tables too large for the radix sort's packed keys, and the ensemble."""
     s = _scratch.get(table)
     if s is None or s.size != table.nvectors():
         s = np.full(table.nvectors(), -1, np.int32)
@@ -54,18 +61,92 @@ def bag_offsets(bags: Bags) -> np.ndarray:
     return np.arange(bags.indices.size + 1, dtype=np.int64)
 
 
+class Workspace:
+    """Reusable reindexing buffers, one set per Python thread (:func:`workspace`).
+
+    Fresh arrays of several MB would cost a page fault per 4 KiB on every call; these grow to the
+    largest batch seen and are reused. Each call takes views of the sizes it needs.
+    """
+
+    def __init__(self) -> None:
+        self._arrays: dict[str, np.ndarray] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: type, fill: int | None = None) -> np.ndarray:
+        """An array of ``shape`` (a view of a reused buffer). ``fill``: the value a new buffer is
+        created with; callers that need it keep that invariant between calls (``head`` is -1)."""
+        n = math.prod(shape)
+        a = self._arrays.get(name)
+        if a is None or a.size < n:
+            a = np.empty(max(n, 1), dtype) if fill is None else np.full(max(n, 1), fill, dtype)
+            self._arrays[name] = a
+        return a[:n] if len(shape) == 1 else a[:n].reshape(shape)
+
+
+_local = threading.local()
+
+
+def workspace() -> Workspace:
+    """The calling thread's :class:`Workspace`."""
+    ws = getattr(_local, "ws", None)
+    if ws is None:
+        ws = _local.ws = Workspace()
+    return ws
+
+
 def make_plan(table: EmbeddingTable, bags: Bags) -> UpdatePlan:
-    """Reindex a validated batch into an :class:`UpdatePlan`."""
+    """Reindex a validated batch into an :class:`UpdatePlan` on the calling thread.
+
+    Radix sort of the batch's (row, position) keys (:func:`~.kernels.reindex.reindex_sort_serial`):
+    its cost depends on the batch only, never on the table size. Unique rows are in order of first
+    use for batches of up to ``config.FIRST_USE_MAX`` indices, ascending otherwise. Tables too
+    large for the packed key fall back to the dense per-table map of
+    :func:`~.kernels.reindex.reindex_into`. The plan lives in this thread's :func:`workspace`:
+    it is valid until the next ``make_plan`` on the same thread (copy what must outlive that).
+    """
     L = bags.indices.size
-    uniq, counts, starts, ent_bag, ent_coef = plan_arrays(L, bags.weights.size > 0 or bags.mean)
-    P = get_num_threads()
-    if P > 1 and L >= config.PARALLEL_REINDEX_MIN:
-        n = reindex_parallel(bags.indices, bag_offsets(bags), bags.weights, bags.mean, scratch_for(table),
-                             P, uniq, counts, starts, ent_bag, ent_coef, np.empty(L, np.int64))
-    else:
+    need_coef = bags.weights.size > 0 or bags.mean
+    ws = workspace()
+    uniq, starts = ws.get("uniq", (L,), np.int64), ws.get("starts", (L + 1,), np.int64)
+    ent_bag, ent_coef = ws.get("bag", (L,), np.int32), ws.get("coef", (L if need_coef else 0,), np.float32)
+    nvec = table.nvectors()
+    if not sortable(nvec, L):
         n = reindex_into(bags.indices, bag_offsets(bags), bags.weights, bags.mean, scratch_for(table),
-                         uniq, counts, starts, ent_bag, ent_coef)
+                         uniq, np.empty(L, np.int64), starts, ent_bag, ent_coef)
+        return UpdatePlan(uniq[:n], starts[: n + 1], ent_bag, ent_coef)
+    npass, dbits = sort_params(nvec)
+    first_use = L <= config.FIRST_USE_MAX
+    by_pos = first_use or bags.weights.size > 0
+    n = reindex_sort_serial(bags.indices, bag_offsets(bags), bags.weights, bags.mean, npass, dbits, first_use,
+                            ws.get("keys", (L,), np.int64), ws.get("tmp", (L,), np.int64),
+                            ws.get("hists", (npass, 1 << dbits), np.int64),
+                            ws.get("bagpos", (L if by_pos else 0,), np.int32),
+                            ws.get("coefpos", (L if by_pos and need_coef else 0,), np.float32),
+                            ws.get("head", (L if first_use else 0,), np.int64, fill=-1),
+                            uniq, starts, ent_bag, ent_coef)
     return UpdatePlan(uniq[:n], starts[: n + 1], ent_bag, ent_coef)
+
+
+def run_parts(table: EmbeddingTable, g: np.ndarray, bags: Bags, opt: int, lr: float, eps: float,
+              state: np.ndarray, P: int) -> None:
+    """Reindex and update in one parallel region, each of ``P`` threads owning a row range
+    (:func:`~.kernels.update.pullback_parts`). The ``Update`` context gets the batch's indices."""
+    L = bags.indices.size
+    nvec = table.nvectors()
+    npass, dbits = sort_params(nvec)
+    weighted = bags.weights.size > 0
+    need_coef = weighted or bags.mean
+    ws = workspace()
+    with table.rows(UPDATE, bags.indices, writable=True) as src:
+        dist = prefetch_distance(src.base.shape[1] * src.base.itemsize)
+        U.pullback_parts(spec_for(table.featuresize()), src.base, src.cache, src.slots, src.codec, g,
+                         bags.indices, bag_offsets(bags), bags.weights, bags.mean, row_bits(nvec), dbits,
+                         ws.get("pkeys", (P, L), np.int64), ws.get("ptmp", (P, L), np.int64),
+                         ws.get("phists", (P, npass, 1 << dbits), np.int64),
+                         ws.get("bagpos", (L if weighted else 0,), np.int32),
+                         ws.get("coefpos", (L if weighted else 0,), np.float32),
+                         ws.get("puniq", (P, L), np.int64), ws.get("pstarts", (P, L + 1), np.int64),
+                         ws.get("pbag", (P, L), np.int32), ws.get("pcoef", (P, L if need_coef else 0), np.float32),
+                         opt, lr, eps, state, dist, P)
 
 
 def check_grad(grad: object, bags: Bags, table: EmbeddingTable) -> np.ndarray:
@@ -119,14 +200,21 @@ def pullback(table: EmbeddingTable, grad: object, indices: object, offsets: obje
         raise ValueError(f"learning rate must be finite, got {optimizer.lr}")
     bags = make_bags(table.name, table.nvectors(), indices, offsets, weights, mode)
     g = check_grad(grad, bags, table)
-    plan = make_plan(table, bags)
-    run_update(table, g, plan, optimizer.code, float(optimizer.lr), float(optimizer.eps),
-               optimizer.state(table), _NO_GOUT)
+    L = bags.indices.size
+    if L == 0 or table.featuresize() == 0:
+        return
+    P = get_num_threads()
+    opt, lr, eps, state = optimizer.code, float(optimizer.lr), float(optimizer.eps), optimizer.state(table)
+    if P > 1 and L >= config.PARALLEL_REINDEX_MIN and sortable(table.nvectors(), L):
+        run_parts(table, g, bags, opt, lr, eps, state, P)
+    else:
+        run_update(table, g, make_plan(table, bags), opt, lr, eps, state, _NO_GOUT)
 
 
 def sparse_gradient(table: EmbeddingTable, grad: object, indices: object, offsets: object | None = None,
                     *, mode: str | None = None, weights: object | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The table gradient in sparse form ``(rows, values)``, unique rows in order of first use.
+    """The table gradient in sparse form ``(rows, values)``: unique rows, in order of first use
+    for batches of up to ``config.FIRST_USE_MAX`` indices and ascending otherwise.
 
     Same reindexing and accumulation as :func:`pullback`, without applying an optimizer; for
     inspection and tests (training uses the fused path).

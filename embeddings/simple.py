@@ -10,7 +10,7 @@ keeps the original ``data`` object, never a cached view of it.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -82,7 +82,7 @@ class SimpleEmbedding(EmbeddingTable):
                 raise ValueError(f"{name}: table must be row-major (C-contiguous)")
             self._dtype = view.dtype
             self._shape = view.shape
-        self.scratch: np.ndarray | None = None  # reindexing workspace, see pullback
+        self._plain: tuple[Any, RowSource] | None = None  # (data, its RowSource) for numpy data
 
     def eltype(self) -> np.dtype:
         return self._dtype
@@ -96,9 +96,24 @@ class SimpleEmbedding(EmbeddingTable):
     def example(self) -> Any:
         return self.data
 
-    @contextmanager
     def rows(self, context: Context | None, indices: np.ndarray | None = None,
-             writable: bool = False) -> Iterator[RowSource]:
+             writable: bool = False) -> AbstractContextManager[RowSource]:
+        """The table's RowSource for one kernel call. numpy data needs no pinning, so its
+        RowSource is built once and reused (a per-call context manager and dataclass were a
+        measurable part of a small lookup); anything else goes through :func:`_ndarray_view`."""
+        data = self.data
+        if isinstance(data, np.ndarray):
+            if writable and not data.flags.writeable:
+                raise ValueError(f"{self.name}: table data is read-only")
+            plain = self._plain
+            if plain is None or plain[0] is not data:
+                plain = self._plain = (data, RowSource(_storage(data, self._storage_dtype), None, None,
+                                                       self._codec, self._dtype))
+            return nullcontext(plain[1])
+        return self._rows_view(writable)
+
+    @contextmanager
+    def _rows_view(self, writable: bool) -> Iterator[RowSource]:
         with _ndarray_view(self.data, writable) as view:
             if writable and not view.flags.writeable:
                 raise ValueError(f"{self.name}: table data is read-only")

@@ -156,27 +156,3 @@ def test_reindexing_leaves_no_state_behind():
     assert np.array_equal(t.data[:, 0], want)
     from embeddings.pullback import scratch_for
     assert (scratch_for(t) == -1).all()
-
-
-@settings(max_examples=25, deadline=None)
-@given(cases(), st.integers(2, 5), st.booleans())
-def test_parallel_reindexing_builds_the_same_plan(case, P, mean):
-    from embeddings.kernels.reindex import plan_arrays, reindex_into, reindex_parallel
-
-    table, idx, offsets, _, weights, _ = case
-    L, N = len(idx), len(table)
-    a = plan_arrays(L, True)
-    b = plan_arrays(L, True)
-    s1, s2 = np.full(N, -1, np.int32), np.full(N, -1, np.int32)
-    n1 = reindex_into(idx, offsets, weights, mean, s1, *a)
-    n2 = reindex_parallel(idx, offsets, weights, mean, s2, P, *b, np.empty(L, np.int64))
-    assert n1 == n2 == len(set(idx.tolist()))
-    assert (s1 == -1).all() and (s2 == -1).all()
-
-    def entries(plan, n):
-        uniq, _, starts, bag, coef = plan
-        return {int(uniq[u]): sorted(zip(bag[starts[u]:starts[u + 1]].tolist(), coef[starts[u]:starts[u + 1]].tolist()))
-                for u in range(n)}
-
-    assert entries(a, n1) == entries(b, n2)
-    assert b[2][n2] == L and (np.diff(b[2][:n2 + 1]) > 0).all()

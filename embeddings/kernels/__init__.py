@@ -5,8 +5,9 @@
 * ``codecs`` – float32 / bfloat16 / float16 storage, float32 arithmetic;
 * ``intrinsics`` / ``simd`` – ``llvm.prefetch``, bit casts, stack buffers, ``<8 x float>`` ops;
 * ``lookup`` – gather and pooled lookups (chunk functions plus parallel and serial drivers);
-* ``reindex`` – the CSR update plan (histogram, prefix sum, fill), serial or split by row range;
-* ``update`` – fused accumulate-and-apply optimizer kernels;
+* ``reindex`` – the CSR update plan: radix sort of the batch's (row, position) keys (histogram,
+  prefix sum, scatter), on one thread or split by row range; or a dense per-table map;
+* ``update`` – fused accumulate-and-apply optimizer kernels (and reindex + update in one region);
 * ``ensemble`` – many tables in one parallel region over (table, chunk) work items;
 * ``checks`` – validation scans that run before anything is written.
 

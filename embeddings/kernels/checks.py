@@ -1,25 +1,63 @@
-"""Input validation kernels (run before anything is written)."""
+"""Input validation kernels (run before anything is written).
+
+Each check is a branch-free reduction over blocks of ``BLOCK`` elements (min/max of the indices,
+an OR of "is not finite" over gradient rows) that LLVM vectorises; only a block that fails is
+searched again element by element for the exact first bad position, so the early exit happens
+between blocks. Large inputs are split into ordered chunks checked in parallel, and the first
+failing chunk holds the answer.
+"""
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import carray, njit, prange
 
 from .. import config
+from .intrinsics import address_as_pointer
+from .rowaccess import out_row
+
+BLOCK = 4096  # elements per vectorised block (16-32 KiB: the block is re-read from L1/L2 on failure)
+
+
+@njit(cache=True, inline="always")
+def _block_in_range(idx, lo, hi, n):
+    """Whether every idx[lo:hi] is in [0, n): a max reduction over the values as unsigned
+    (negatives become huge), which vectorises. The loop runs over a contiguous view from 0, so
+    numba's negative-index wraparound folds away and the loads stay plain vector loads."""
+    a = carray(address_as_pointer(idx.ctypes.data + lo * idx.itemsize, idx), hi - lo)
+    m = np.uint64(0)
+    for p in range(hi - lo):
+        m = max(m, np.uint64(np.int64(a[p])))
+    return m < np.uint64(n)
+
+
+@njit(cache=True)
+def _first_out_of_range_in(idx, lo, hi, n):
+    """Smallest p in [lo, hi) with idx[p] outside [0, n), or -1."""
+    for b in range(lo, hi, BLOCK):
+        e = min(b + BLOCK, hi)
+        if not _block_in_range(idx, b, e, n):
+            for p in range(b, e):
+                v = idx[p]
+                if v < 0 or v >= n:
+                    return p
+    return -1
+
+
+@njit(cache=True)
+def first_out_of_range_serial(idx, n):
+    """Smallest position p with idx[p] < 0 or idx[p] >= n, or -1 (on the calling thread)."""
+    return _first_out_of_range_in(idx, 0, idx.size, n)
 
 
 @njit(parallel=True, cache=True)
 def first_out_of_range(idx, n):
-    """Smallest position p with idx[p] < 0 or idx[p] >= n, or -1."""
+    """:func:`first_out_of_range_serial` over 16 ordered chunks in parallel."""
     L = idx.size
     nc = 16 if L >= 1 << 16 else 1
     firsts = np.full(nc, -1, np.int64)
     for c in prange(nc):
-        for p in range(c * L // nc, (c + 1) * L // nc):
-            v = idx[p]
-            if v < 0 or v >= n:
-                firsts[c] = p
-                break
+        firsts[c] = _first_out_of_range_in(idx, c * L // nc, (c + 1) * L // nc, n)
     for c in range(nc):
         if firsts[c] >= 0:
             return firsts[c]
@@ -35,44 +73,63 @@ def first_bad_offset(offsets):
     return -1
 
 
-@njit(parallel=True, cache=True)
-def first_nonfinite_row(x):
-    """Smallest row of 2-d ``x`` holding a NaN or inf, or -1 (no fastmath: it must see NaN)."""
-    n = x.shape[0]
-    nc = 16 if n >= 1024 else 1
-    firsts = np.full(nc, -1, np.int64)
-    for c in prange(nc):
-        for i in range(c * n // nc, (c + 1) * n // nc):
-            bad = False
-            for k in range(x.shape[1]):
-                if not np.isfinite(x[i, k]):
-                    bad = True
-            if bad:
-                firsts[c] = i
-                break
-    for c in range(nc):
-        if firsts[c] >= 0:
-            return firsts[c]
-    return -1
+@njit(cache=True, inline="always")
+def _all_finite(a, n):
+    """Whether a[:n] (a contiguous float vector) is all finite: ``v - v`` is 0 for a finite v and
+    NaN for NaN or inf, and an integer OR of the comparisons vectorises (no fastmath here: it must
+    see NaN)."""
+    bad = 0
+    for k in range(n):
+        v = a[k]
+        bad |= np.int32((v - v) != 0)
+    return bad == 0
+
+
+@njit(cache=True, inline="always")
+def _rows_finite(x, lo, hi):
+    """Whether rows lo:hi of 2-d ``x`` (contiguous rows) are all finite; one flat vector when the
+    rows are adjacent in memory, else row by row."""
+    F = x.shape[1]
+    if x.strides[0] == F * x.itemsize:
+        n = (hi - lo) * F
+        return _all_finite(carray(address_as_pointer(x.ctypes.data + lo * x.strides[0], x), n), n)
+    for i in range(lo, hi):
+        if not _all_finite(out_row(x, i, F), F):
+            return False
+    return True
 
 
 @njit(cache=True)
-def first_out_of_range_serial(idx, n):
-    """:func:`first_out_of_range` on the calling thread."""
-    for p in range(idx.size):
-        v = idx[p]
-        if v < 0 or v >= n:
-            return p
+def _first_nonfinite_row_in(x, lo, hi):
+    """Smallest row in [lo, hi) holding a NaN or inf, or -1."""
+    step = max(1, BLOCK // max(x.shape[1], 1))
+    for b in range(lo, hi, step):
+        e = min(b + step, hi)
+        if not _rows_finite(x, b, e):
+            for i in range(b, e):
+                for k in range(x.shape[1]):
+                    if not np.isfinite(x[i, k]):
+                        return i
     return -1
 
 
 @njit(cache=True)
 def first_nonfinite_row_serial(x):
-    """:func:`first_nonfinite_row` on the calling thread."""
-    for i in range(x.shape[0]):
-        for k in range(x.shape[1]):
-            if not np.isfinite(x[i, k]):
-                return i
+    """Smallest row of 2-d ``x`` holding a NaN or inf, or -1 (on the calling thread)."""
+    return _first_nonfinite_row_in(x, 0, x.shape[0])
+
+
+@njit(parallel=True, cache=True)
+def first_nonfinite_row(x):
+    """:func:`first_nonfinite_row_serial` over 16 ordered chunks of rows in parallel."""
+    n = x.shape[0]
+    nc = 16 if n >= 1024 else 1
+    firsts = np.full(nc, -1, np.int64)
+    for c in prange(nc):
+        firsts[c] = _first_nonfinite_row_in(x, c * n // nc, (c + 1) * n // nc)
+    for c in range(nc):
+        if firsts[c] >= 0:
+            return firsts[c]
     return -1
 
 
@@ -84,7 +141,8 @@ def out_of_range(idx: np.ndarray, n: int) -> int:
 
 
 def nonfinite_row(x: np.ndarray) -> int:
-    """First row with a NaN or inf (or -1), in parallel only for large inputs."""
+    """First row of 2-d ``x`` (contiguous rows, any row stride) with a NaN or inf (or -1), in
+    parallel only for large inputs."""
     if x.size < config.SERIAL_CHECK:
         return int(first_nonfinite_row_serial(x))
     return int(first_nonfinite_row(x))

@@ -21,6 +21,7 @@ from numba.extending import overload
 from .codecs import load, store
 from .intrinsics import prefetch, stack_f32
 from .lookup import _simd, nchunks_for
+from .reindex import reindex_part
 from .rowaccess import accumulator, featuresize, out_ptr, out_row, prefetch_row, prefetch_slot, row_of, row_ptr
 from .simd import vcopy, vfma, vzero
 
@@ -160,3 +161,24 @@ def apply_update_serial(spec, base, cache, slots, codec, grad, uniq, starts, ent
     heap = np.empty(base.shape[1], np.float32)
     update_chunk_any(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, ent_coef,
                      opt, lr, eps, state, gout, 0, U, dist, heap)
+
+
+@njit(parallel=True, cache=True, fastmath=True)
+def pullback_parts(spec, base, cache, slots, codec, grad, idx, offsets, weights, mean, rbits, dbits,
+                   keys, tmp, hists, bagpos, coefpos, uniq, starts, ent_bag, ent_coef, opt, lr, eps, state,
+                   dist, P):
+    """Reindex and update in one parallel region, split by row range over ``P`` threads.
+
+    Thread ``t`` builds the CSR of the rows it owns (:func:`~.reindex.reindex_part`, in row
+    ``t`` of the buffers ``keys``/``tmp``/``hists``/``uniq``/``starts``/``ent_bag``/``ent_coef``)
+    and at once applies the optimizer to those rows; no other thread touches them, so there is
+    no lock and no barrier between the two phases. Returns nothing; ``opt`` is SGD or ADAGRAD.
+    """
+    F = base.shape[1]
+    nogout = np.empty((0, 0), np.float32)
+    for t in prange(P):
+        U = reindex_part(idx, offsets, weights, mean, t, P, rbits, dbits, keys[t], tmp[t], hists[t],
+                         bagpos, coefpos, uniq[t], starts[t], ent_bag[t], ent_coef[t])
+        heap = np.empty(F, np.float32)
+        update_chunk_any(spec, base, cache, slots, codec, grad, uniq[t], starts[t], ent_bag[t], ent_coef[t],
+                         opt, lr, eps, state, nogout, 0, U, dist, heap)

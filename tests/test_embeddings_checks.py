@@ -1,0 +1,44 @@
+"""Validation kernels: blockwise vectorised scans must report exactly the first bad position."""
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from embeddings.kernels import checks as C
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 3 * C.BLOCK + 7), st.integers(1, 1 << 40), st.sampled_from([np.int32, np.int64]),
+       st.lists(st.tuples(st.floats(0, 1), st.sampled_from(["neg", "big", "edge"])), max_size=4),
+       st.integers(0, 2**31))
+def test_first_out_of_range_is_exact(L, n, dtype, bad, seed):
+    rng = np.random.default_rng(seed)
+    hi = min(n, np.iinfo(dtype).max)
+    idx = rng.integers(0, hi, L).astype(dtype)
+    for frac, kind in bad:
+        if L:
+            p = int(frac * (L - 1))
+            idx[p] = {"neg": -1 - int(rng.integers(0, 100)), "big": np.iinfo(dtype).max, "edge": min(n, np.iinfo(dtype).max)}[kind]
+    bad_pos = np.flatnonzero((idx.astype(np.int64) < 0) | (idx.astype(np.int64) >= n))
+    want = int(bad_pos[0]) if bad_pos.size else -1
+    assert C.first_out_of_range_serial(idx, n) == want
+    assert C.first_out_of_range(idx, n) == want
+    assert C.out_of_range(idx, n) == want
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 3000), st.sampled_from([1, 3, 16, 64, 300]), st.booleans(),
+       st.lists(st.tuples(st.floats(0, 1), st.floats(0, 1), st.sampled_from([np.nan, np.inf, -np.inf])), max_size=3),
+       st.integers(0, 2**31))
+def test_first_nonfinite_row_is_exact(n, F, strided, bad, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, 3, F) if strided else (n, F)).astype(np.float32) * 1e30
+    x = x[:, 1, :] if strided else x
+    for fr, fk, v in bad:
+        if n:
+            x[int(fr * (n - 1)), int(fk * (F - 1))] = v
+    rows = np.flatnonzero(~np.isfinite(x).all(1))
+    want = int(rows[0]) if rows.size else -1
+    assert C.first_nonfinite_row_serial(x) == want
+    assert C.first_nonfinite_row(x) == want
+    assert C.nonfinite_row(x) == want
