@@ -94,7 +94,7 @@ class CachedEmbeddings(EmbeddingTable):
         self.rows_written_back = 0
         self.flushes = 0
         self._dirty = False
-        self._cache = self._ptr = self._backedge = self._ref = None
+        self._cache = self._ptr = self._slots = self._backedge = self._ref = None
         self._freq = np.empty(0, np.uint8)  # per-row access counts (dynamic policy only)
         self._since_ageing = 0
         self._filling = True  # no flush since the cache was last empty: cache every miss
@@ -111,7 +111,10 @@ class CachedEmbeddings(EmbeddingTable):
         self.page_rows = int(page_rows or max(1, min(-(-rows // PAGES_PER_CACHE), PAGE_BYTES // max(1, self._rowbytes))))
         ring = -(-rows // self.page_rows) * self.page_rows
         self._cache = self._fast((ring, featuresize), storage_dtype)
-        self._ptr = self._fast(np.arange(nvectors, dtype=np.int64) << 2)
+        # The pointer table plus one entry: ``_slots[nvectors]`` counts the cached rows the lookup
+        # kernels read (see ``rowaccess.record_hits``), so hits need no pass of their own.
+        self._slots = self._fast(np.append(np.arange(nvectors, dtype=np.int64) << 2, 0))
+        self._ptr = self._slots[:nvectors]
         self._backedge = self._fast(np.full(ring, -1, np.int64))
         self._ref = self._fast(np.zeros(ring, np.uint8))
         if policy == "dynamic":
@@ -165,19 +168,29 @@ class CachedEmbeddings(EmbeddingTable):
     @contextmanager
     def rows(self, context: Context | None, indices: np.ndarray | None = None,
              writable: bool = False) -> Iterator[RowSource]:
-        """Forward context with indices: `access_and_cache` (dynamic) or hit counting; else `access`."""
+        """Forward context with indices: `access_and_cache` (dynamic policy, which counts hits and
+        misses as it goes); for the static policy the lookup kernels count the hits they read
+        through the pointer table (fused, no extra pass), added to the telemetry when the block ends."""
         self._check_open()
+        counting = False
         if isinstance(context, Forward) and indices is not None:
             if self.policy == "dynamic":
                 self.access_and_cache(indices)
+            elif self.policy == "simple":
+                self.counts[1] += np.size(indices)
             else:
-                self._count(indices)
+                counting = True
+                self._slots[-1] = 0
         if writable:
             self._dirty = True
         if self.policy == "simple":
             yield RowSource(self._base, None, None, self._codec, self._dtype)
-        else:
-            yield RowSource(self._base, self._cache, self._ptr, self._codec, self._dtype)
+            return
+        yield RowSource(self._base, self._cache, self._slots, self._codec, self._dtype)
+        if counting:
+            hits = int(self._slots[-1])
+            self.counts[0] += hits
+            self.counts[1] += np.size(indices) - hits
 
     # ------------------------------------------------------------------ Table 5.4
     def access_and_cache(self, indices: np.ndarray) -> None:
@@ -356,7 +369,7 @@ class CachedEmbeddings(EmbeddingTable):
         for v in views:
             v.release()
         unsafe_free([v for v in views[1:]])
-        self._cache = self._ptr = self._backedge = self._ref = None
+        self._cache = self._ptr = self._slots = self._backedge = self._ref = None
         self._freq = np.empty(0, np.uint8)
 
     def _check_open(self) -> None:

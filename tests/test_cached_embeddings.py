@@ -207,6 +207,41 @@ def test_dynamic_policy_with_admit_1_caches_every_miss_while_room_lasts():
         CachedEmbeddings(np.zeros((10, 4), np.float32), m, admit=0)
 
 
+@pytest.mark.parametrize("policy", ["static", "dynamic"])
+def test_hit_and_miss_counts_are_exact_for_every_lookup_kernel(policy, monkeypatch):
+    from embeddings import config
+    monkeypatch.setattr(config, "SERIAL_WORK", 1 << 10)  # small batches serial, larger ones parallel
+    m = ca.Manager(ca.DRAM("64MiB"), ca.PM(None, "64MiB"), policy=ca.LRUPolicy())
+    rng = np.random.default_rng(3)
+    N = 3000
+    tables = [CachedEmbeddings(rng.standard_normal((N, F)).astype(np.float32), m, policy=policy, cache_rows=300,
+                               page_rows=16, seed=i, name=f"t{i}") for i, F in enumerate([16, 16, 12])]
+    ens = Ensemble(tables[:2])
+    for it in range(12):
+        batch, k = int(rng.integers(1, 300)), int(rng.integers(1, 6))
+        idx = [D.zipf(N, (batch, k), 1.1, seed=it, table=t) for t in range(2)]
+        cached = [t._ptr.copy() & 1 for t in tables]  # hits are rows cached before the lookup
+        before = [t.counts[:2].copy() for t in tables]
+        w = rng.random((batch, k)).astype(np.float32)
+        if it % 3 == 0:
+            ens.lookup(idx, mode="sum")
+        elif it % 3 == 1:
+            ens.lookup(idx, mode="mean", weights=[w, w])
+        else:
+            ens.lookup([i.ravel() for i in idx])  # non-reducing
+        lookup(tables[2], idx[0], mode="sum")  # a feature size without a specialised kernel
+        for t, c, b, i in zip(tables, cached, before, [idx[0], idx[1], idx[0]]):
+            hits = int(c[i.ravel()].sum())
+            got = t.counts[:2] - b
+            if policy == "static":
+                np.testing.assert_array_equal(got, [hits, i.size - hits])
+            else:  # the access may flush first; a row cached by its first access hits on its later ones
+                assert got.sum() == i.size and 0 <= got[0] <= hits + i.size - np.unique(i).size
+    for t in tables:
+        t.check()
+        t.close()
+
+
 def test_cache_lives_in_the_fast_device_and_base_in_the_slow_one():
     m = manager()
     base = ca.CachedArray(np.zeros((1000, 16), np.float32), m)  # placed in DRAM by the policy
