@@ -10,7 +10,8 @@ Every kernel reads and writes rows through a *row source*, three arguments:
   ``cache[slots[r] >> 2]``; otherwise it lives in ``base[r]``.  Bit 1 is a lock bit used while a
   thread moves the row (see ``embeddings.kernels.cache``); readers ignore it.  ``None`` means no
   indirection (``SimpleEmbedding``) and is resolved at compile time, so a plain table pays
-  nothing for the indirection a caching table needs.
+  nothing for the indirection a caching table needs.  It may have one entry more than the table:
+  ``slots[nvectors]`` then counts the cached rows the lookup kernels read (``record_hits``).
 
 This is the dissertation's ``rowpointer(A, i, context)`` expressed with arrays instead of raw
 pointers: a caching table (``CachedEmbeddings``) fills ``cache``/``slots`` in its ``rows(Forward,
