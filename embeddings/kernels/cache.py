@@ -56,12 +56,15 @@ def _cache_chunk(base, cache, ptr, backedge, ref, freq, state, idx, i0, i1, tail
 
     Every access bumps the row's ``freq`` count (when ``freq`` is not empty); a hit also bumps the
     slot's reference counter (saturating at ``MAX_REF``; races only lose counts).  A miss is cached
-    only when the row's count is at least ``admit``.
+    only when the row's count is at least ``admit``.  Once a slot claim fails the cache is full
+    until the next flush, so the rest of the chunk stops trying (a failed attempt costs three
+    atomic operations on shared lines: at k=40 with a full cache they dominated the pass).
     """
     F = base.shape[1]
     hits = 0
     misses = 0
     cached = 0
+    full = False
     counting = freq.size > 0
     for i in range(i0, i1):
         if i + PREFETCH < i1:
@@ -83,13 +86,14 @@ def _cache_chunk(base, cache, ptr, backedge, ref, freq, state, idx, i0, i1, tail
                 ref[s] += 1
             continue
         misses += 1
-        if f < admit:
-            continue  # not (yet) frequent enough to be worth a slot
+        if full or f < admit:
+            continue  # no room left, or not (yet) frequent enough to be worth a slot
         if e & LOCKED or cas(ptr, r, e, e | LOCKED) != e:
             continue  # another thread owns the row: read it where it is
         slot = _claim_slot(state, tail, limit, ring)
         if slot < 0:
             exchange(ptr, r, e)  # full: give the row back unchanged
+            full = True  # and stay full: nothing frees slots while the kernel runs
             continue
         src = base[r]
         dst = cache[slot]
