@@ -98,6 +98,7 @@ class CachedEmbeddings(EmbeddingTable):
         self._freq = np.empty(0, np.uint8)  # per-row access counts (dynamic policy only)
         self._since_ageing = 0
         self._filling = True  # no flush since the cache was last empty: cache every miss
+        self._lookups_open = self._lookups_pending = 0  # static policy: Forward blocks whose hits are pending
         if admit < 1 or age_window <= 0:
             raise ValueError(f"{name}: admit must be >= 1 and age_window > 0, got {admit}, {age_window}")
         self.admit, self.age_window = int(admit), float(age_window)
@@ -180,17 +181,25 @@ class CachedEmbeddings(EmbeddingTable):
                 self.counts[1] += np.size(indices)
             else:
                 counting = True
-                self._slots[-1] = 0
+                if self._lookups_open == 0:  # blocks may nest: one table can serve two features of an ensemble
+                    self._slots[-1] = 0
+                    self._lookups_pending = 0
+                self._lookups_open += 1
+                self._lookups_pending += np.size(indices)
         if writable:
             self._dirty = True
         if self.policy == "simple":
             yield RowSource(self._base, None, None, self._codec, self._dtype)
             return
-        yield RowSource(self._base, self._cache, self._slots, self._codec, self._dtype)
-        if counting:
-            hits = int(self._slots[-1])
-            self.counts[0] += hits
-            self.counts[1] += np.size(indices) - hits
+        try:
+            yield RowSource(self._base, self._cache, self._slots, self._codec, self._dtype)
+        finally:
+            if counting:
+                self._lookups_open -= 1
+                if self._lookups_open == 0:
+                    hits = int(self._slots[-1])
+                    self.counts[0] += hits
+                    self.counts[1] += self._lookups_pending - hits
 
     # ------------------------------------------------------------------ Table 5.4
     def access_and_cache(self, indices: np.ndarray) -> None:

@@ -237,6 +237,12 @@ def test_hit_and_miss_counts_are_exact_for_every_lookup_kernel(policy, monkeypat
                 np.testing.assert_array_equal(got, [hits, i.size - hits])
             else:  # the access may flush first; a row cached by its first access hits on its later ones
                 assert got.sum() == i.size and 0 <= got[0] <= hits + i.size - np.unique(i).size
+    if policy == "static":  # one table serving two features: nested blocks, each lookup counted once
+        t, idx = tables[0], [D.zipf(N, (500, 3), 1.1, seed=99, table=t) for t in range(2)]
+        before, cached = t.counts[:2].copy(), t._ptr & 1
+        Ensemble([t, t]).lookup(idx, mode="sum")
+        hits = int(cached[idx[0]].sum() + cached[idx[1]].sum())
+        np.testing.assert_array_equal(t.counts[:2] - before, [hits, 3000 - hits])
     for t in tables:
         t.check()
         t.close()
