@@ -12,6 +12,13 @@ Policies (section 5.6.1): ``simple`` (no indirection: every row read from PM), `
 the cache once with a given hot set, or random rows, then never cache again) and ``dynamic``
 (cache on forward access until full; flush the oldest pages when the limit is reached).
 
+Beyond the dissertation, the dynamic policy keeps a per-row access count (one byte per row in
+the fast device, halved every ``age_window`` cache sizes of accesses) and, once the cache has
+filled, caches a missed row only when it was accessed at least ``admit`` times in that window
+(a TinyLFU-style doorkeeper): under Zipf(1) most misses are rows seen once, and caching them
+flushed hot rows.  With a 10% cache this lifts the steady-state hit rate from about 0.78 to
+about 0.82 (an oracle holding the true top 10% gets 0.84).
+
 The table pins its arrays for as long as it is open (kernels hold raw views of them); `close`
 releases them.  Sizes (`cachelower`, `cacheslack`) are counted in rows.
 """
@@ -54,12 +61,14 @@ class CachedEmbeddings(EmbeddingTable):
     drawn with ``seed``).  ``second_chance`` (default on) lets a flush keep rows that were hit
     since they were cached, moving them to the newest page (a CLOCK-style refinement of the
     dissertation's plain oldest-page-first flush, which ``second_chance=False`` restores).
+    ``admit`` and ``age_window`` set the dynamic policy's admission filter (see the module
+    docstring); ``admit=1`` caches every miss, as in the dissertation.
     """
 
     def __init__(self, base: Any, manager: Manager | None = None, *, policy: str = "dynamic",
                  cache_rows: int | None = None, cache_fraction: float = 0.1, cacheslack: int | None = None,
                  page_rows: int | None = None, hot: Any = None, seed: int = 0, second_chance: bool = True,
-                 name: str = "table") -> None:
+                 admit: int = 2, age_window: float = 10.0, name: str = "table") -> None:
         if policy not in POLICIES:
             raise ValueError(f"{name}: unknown policy {policy!r}; choose from {POLICIES}")
         if isinstance(base, CachedArray):
@@ -85,8 +94,15 @@ class CachedEmbeddings(EmbeddingTable):
         self.rows_written_back = 0
         self.flushes = 0
         self._dirty = False
-        self._cache = self._ptr = self._backedge = self._ref = None
-        self.state = np.zeros(4, np.int64)
+        self._cache = self._ptr = self._slots = self._backedge = self._ref = None
+        self._freq = np.empty(0, np.uint8)  # per-row access counts (dynamic policy only)
+        self._since_ageing = 0
+        self._filling = True  # no flush since the cache was last empty: cache every miss
+        self._lookups_open = self._lookups_pending = 0  # static policy: Forward blocks whose hits are pending
+        if admit < 1 or age_window <= 0:
+            raise ValueError(f"{name}: admit must be >= 1 and age_window > 0, got {admit}, {age_window}")
+        self.admit, self.age_window = int(admit), float(age_window)
+        self.state = np.zeros(5, np.int64)
         self.cachelower = self.cacheslack = 0
         if policy == "simple":
             return
@@ -96,10 +112,15 @@ class CachedEmbeddings(EmbeddingTable):
         self.page_rows = int(page_rows or max(1, min(-(-rows // PAGES_PER_CACHE), PAGE_BYTES // max(1, self._rowbytes))))
         ring = -(-rows // self.page_rows) * self.page_rows
         self._cache = self._fast((ring, featuresize), storage_dtype)
-        self._ptr = self._fast(np.arange(nvectors, dtype=np.int64) << 2)
+        # The pointer table plus one entry: ``_slots[nvectors]`` counts the cached rows the lookup
+        # kernels read (see ``rowaccess.record_hits``), so hits need no pass of their own.
+        self._slots = self._fast(np.append(np.arange(nvectors, dtype=np.int64) << 2, 0))
+        self._ptr = self._slots[:nvectors]
         self._backedge = self._fast(np.full(ring, -1, np.int64))
         self._ref = self._fast(np.zeros(ring, np.uint8))
-        self.state[:] = (0, 0, rows, ring)
+        if policy == "dynamic":
+            self._freq = self._fast(np.zeros(nvectors, np.uint8))
+        self.state[:] = (0, 0, rows, ring, 0)
         slack = min(rows, int(cacheslack if cacheslack is not None else max(self.page_rows, rows // 10)))
         self._set_bounds(rows - slack, slack)
         if policy == "static":
@@ -148,19 +169,37 @@ class CachedEmbeddings(EmbeddingTable):
     @contextmanager
     def rows(self, context: Context | None, indices: np.ndarray | None = None,
              writable: bool = False) -> Iterator[RowSource]:
-        """Forward context with indices: `access_and_cache` (dynamic) or hit counting; else `access`."""
+        """Forward context with indices: `access_and_cache` (dynamic policy, which counts hits and
+        misses as it goes); for the static policy the lookup kernels count the hits they read
+        through the pointer table (fused, no extra pass), added to the telemetry when the block ends."""
         self._check_open()
+        counting = False
         if isinstance(context, Forward) and indices is not None:
             if self.policy == "dynamic":
                 self.access_and_cache(indices)
+            elif self.policy == "simple":
+                self.counts[1] += np.size(indices)
             else:
-                self._count(indices)
+                counting = True
+                if self._lookups_open == 0:  # blocks may nest: one table can serve two features of an ensemble
+                    self._slots[-1] = 0
+                    self._lookups_pending = 0
+                self._lookups_open += 1
+                self._lookups_pending += np.size(indices)
         if writable:
             self._dirty = True
         if self.policy == "simple":
             yield RowSource(self._base, None, None, self._codec, self._dtype)
-        else:
-            yield RowSource(self._base, self._cache, self._ptr, self._codec, self._dtype)
+            return
+        try:
+            yield RowSource(self._base, self._cache, self._slots, self._codec, self._dtype)
+        finally:
+            if counting:
+                self._lookups_open -= 1
+                if self._lookups_open == 0:
+                    hits = int(self._slots[-1])
+                    self.counts[0] += hits
+                    self.counts[1] += self._lookups_pending - hits
 
     # ------------------------------------------------------------------ Table 5.4
     def access_and_cache(self, indices: np.ndarray) -> None:
@@ -175,9 +214,18 @@ class CachedEmbeddings(EmbeddingTable):
             return
         before = int(self.counts[2])
         t0 = time.perf_counter()
-        K.access_and_cache(self._base, self._cache, self._ptr, self._backedge, self._ref, self.state, idx,
-                           _nchunks(idx.size), self.counts)
+        self.state[K.ADMIT] = 1 if self._filling or self._freq.size == 0 else self.admit
+        K.access_and_cache(self._base, self._cache, self._ptr, self._backedge, self._ref, self._freq, self.state,
+                           idx, _nchunks(idx.size), self.counts)
+        self._age(idx.size)
         self._account_cached(int(self.counts[2]) - before, time.perf_counter() - t0)
+
+    def _age(self, accesses: int) -> None:
+        """Halve the access counts every ``age_window`` cache sizes of accesses, so they follow a drifting hot set."""
+        self._since_ageing += accesses
+        if self._freq.size and self._since_ageing >= self.age_window * int(self.state[K.LIMIT]):
+            np.right_shift(self._freq, 1, out=self._freq)
+            self._since_ageing = 0
 
     def access(self, indices: np.ndarray) -> None:
         """Count an access to ``indices`` without caching (every context but Forward)."""
@@ -239,6 +287,7 @@ class CachedEmbeddings(EmbeddingTable):
             written += K.flush_page(self._base, self._cache, self._ptr, self._backedge, self._ref, self.state,
                                     stop, writeback, spare)
         self.flushes += 1
+        self._filling = self.cached_rows == 0
         if self.cached_rows == 0:
             self._dirty = False
         if written:
@@ -295,7 +344,7 @@ class CachedEmbeddings(EmbeddingTable):
         if self.policy == "simple":
             return
         ptr, back = self._ptr, self._backedge
-        head, tail, limit, ring = (int(v) for v in self.state)
+        head, tail, limit, ring = (int(v) for v in self.state[:4])
         name = self.name
         if np.any(ptr & K.LOCKED):
             raise InvariantError(f"{name}: rows {np.flatnonzero(ptr & K.LOCKED)[:5]} are still locked")
@@ -329,7 +378,8 @@ class CachedEmbeddings(EmbeddingTable):
         for v in views:
             v.release()
         unsafe_free([v for v in views[1:]])
-        self._cache = self._ptr = self._backedge = self._ref = None
+        self._cache = self._ptr = self._slots = self._backedge = self._ref = None
+        self._freq = np.empty(0, np.uint8)
 
     def _check_open(self) -> None:
         if not self._pins:

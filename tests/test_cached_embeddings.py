@@ -26,14 +26,15 @@ def base_of(t):
 
 @settings(max_examples=12, deadline=None)
 @given(policy=st.sampled_from(["simple", "static", "dynamic"]), F=st.sampled_from([1, 5, 16, 64]),
-       seed=st.integers(0, 2**31), second_chance=st.booleans(), adagrad=st.booleans())
-def test_hundred_iterations_match_a_simple_table(policy, F, seed, second_chance, adagrad):
+       seed=st.integers(0, 2**31), second_chance=st.booleans(), adagrad=st.booleans(), admit=st.integers(1, 3))
+def test_hundred_iterations_match_a_simple_table(policy, F, seed, second_chance, adagrad, admit):
     rng = np.random.default_rng(seed)
     N = 257
     data = rng.standard_normal((N, F)).astype(np.float32)
     m = manager()
     t = CachedEmbeddings(data.copy(), m, policy=policy, cache_rows=int(rng.integers(8, 64)), page_rows=4,
-                         cacheslack=int(rng.integers(1, 8)), second_chance=second_chance, seed=seed)
+                         cacheslack=int(rng.integers(1, 8)), second_chance=second_chance, seed=seed, admit=admit,
+                         age_window=float(rng.choice([0.5, 10.0])))
     ref = SimpleEmbedding(data.copy())
     make = (lambda: RowwiseAdagrad(lr=0.05)) if adagrad else (lambda: SGD(lr=0.1))
     opt_t, opt_r = make(), make()
@@ -141,7 +142,7 @@ def test_bad_indices_are_refused_before_anything_is_cached():
 def test_table_5_4_api_and_flush_rules():
     m = manager()
     t = CachedEmbeddings(np.arange(2000 * 4, dtype=np.float32).reshape(2000, 4), m, cache_rows=100, page_rows=10,
-                         cacheslack=30)
+                         cacheslack=30, admit=1)  # the dissertation's rules: every miss is cached
     assert (t.cachelower, t.cacheslack) == (70, 30) and not t.isfull()
     lookup(t, np.arange(150))
     assert t.isfull() and t.cached_rows == 100
@@ -171,6 +172,80 @@ def test_table_5_4_api_and_flush_rules():
     t.check()
     t.close()
     m.check()
+
+
+def test_admission_filter_caches_a_miss_only_once_the_row_is_frequent():
+    m = manager()
+    t = CachedEmbeddings(np.zeros((1000, 4), np.float32), m, cache_rows=100, page_rows=10, cacheslack=30,
+                         admit=2, age_window=4)
+    lookup(t, np.arange(100))  # filling: every miss is cached, whatever its count
+    assert t.cached_rows == 100 and t.isfull()
+    lookup(t, np.array([500]))  # full: flush to cachelower, then the filter applies; seen once: not cached
+    assert t.cached_rows <= 70 and not t._ptr[500] & 1
+    lookup(t, np.array([500, 501]))  # 500 now seen twice: cached; 501 once: not
+    assert t._ptr[500] & 1 and not t._ptr[501] & 1
+    np.testing.assert_array_equal(t._freq[[500, 501, 502]], [2, 1, 0])
+    lookup(t, np.full(400 - 103, 7))  # 400 accesses in all = age_window * (cachelower + cacheslack): halved
+    assert t._freq[500] == 1 and t._freq[7] == 255 // 2  # counts saturate at 255
+    lookup(t, np.array([501]))  # its second access, but the halving forgot the first
+    assert not t._ptr[501] & 1
+    t.flush_clean(0)  # an empty cache fills again without the filter
+    lookup(t, np.array([900]))
+    assert t._ptr[900] & 1
+    t.check()
+    t.close()
+
+
+def test_dynamic_policy_with_admit_1_caches_every_miss_while_room_lasts():
+    m = manager()
+    t = CachedEmbeddings(np.zeros((1000, 4), np.float32), m, cache_rows=100, page_rows=10, cacheslack=30, admit=1)
+    lookup(t, np.arange(100))
+    lookup(t, np.array([500]))
+    assert t._ptr[500] & 1
+    t.check()
+    with pytest.raises(ValueError, match="admit"):
+        CachedEmbeddings(np.zeros((10, 4), np.float32), m, admit=0)
+
+
+@pytest.mark.parametrize("policy", ["static", "dynamic"])
+def test_hit_and_miss_counts_are_exact_for_every_lookup_kernel(policy, monkeypatch):
+    from embeddings import config
+    monkeypatch.setattr(config, "SERIAL_WORK", 1 << 10)  # small batches serial, larger ones parallel
+    m = ca.Manager(ca.DRAM("64MiB"), ca.PM(None, "64MiB"), policy=ca.LRUPolicy())
+    rng = np.random.default_rng(3)
+    N = 3000
+    tables = [CachedEmbeddings(rng.standard_normal((N, F)).astype(np.float32), m, policy=policy, cache_rows=300,
+                               page_rows=16, seed=i, name=f"t{i}") for i, F in enumerate([16, 16, 12])]
+    ens = Ensemble(tables[:2])
+    for it in range(12):
+        batch, k = int(rng.integers(1, 300)), int(rng.integers(1, 6))
+        idx = [D.zipf(N, (batch, k), 1.1, seed=it, table=t) for t in range(2)]
+        cached = [t._ptr.copy() & 1 for t in tables]  # hits are rows cached before the lookup
+        before = [t.counts[:2].copy() for t in tables]
+        w = rng.random((batch, k)).astype(np.float32)
+        if it % 3 == 0:
+            ens.lookup(idx, mode="sum")
+        elif it % 3 == 1:
+            ens.lookup(idx, mode="mean", weights=[w, w])
+        else:
+            ens.lookup([i.ravel() for i in idx])  # non-reducing
+        lookup(tables[2], idx[0], mode="sum")  # a feature size without a specialised kernel
+        for t, c, b, i in zip(tables, cached, before, [idx[0], idx[1], idx[0]]):
+            hits = int(c[i.ravel()].sum())
+            got = t.counts[:2] - b
+            if policy == "static":
+                np.testing.assert_array_equal(got, [hits, i.size - hits])
+            else:  # the access may flush first; a row cached by its first access hits on its later ones
+                assert got.sum() == i.size and 0 <= got[0] <= hits + i.size - np.unique(i).size
+    if policy == "static":  # one table serving two features: nested blocks, each lookup counted once
+        t, idx = tables[0], [D.zipf(N, (500, 3), 1.1, seed=99, table=t) for t in range(2)]
+        before, cached = t.counts[:2].copy(), t._ptr & 1
+        Ensemble([t, t]).lookup(idx, mode="sum")
+        hits = int(cached[idx[0]].sum() + cached[idx[1]].sum())
+        np.testing.assert_array_equal(t.counts[:2] - before, [hits, 3000 - hits])
+    for t in tables:
+        t.check()
+        t.close()
 
 
 def test_cache_lives_in_the_fast_device_and_base_in_the_slow_one():

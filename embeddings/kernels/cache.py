@@ -7,10 +7,15 @@ State shared by all threads of a kernel:
 * ``backedge`` – per cache slot, the row it holds, or -1.
 * ``ref`` – per cache slot, a small saturating count of hits since the row was cached or last
   spared by a flush (second chance, see `flush_page`).
-* ``state`` – int64 ``[HEAD, TAIL, LIMIT, RING]``: slots are handed out by a bump pointer
+* ``freq`` – per row (not per slot), a saturating uint8 count of accesses, halved now and then
+  by the caller so that it counts recent accesses (a TinyLFU-style frequency estimate); empty
+  when the table keeps no counts.  Updates are plain stores: racing threads may lose a count.
+* ``state`` – int64 ``[HEAD, TAIL, LIMIT, RING, ADMIT]``: slots are handed out by a bump pointer
   (``HEAD``, positions grow forever, slot = position % ``RING``); positions ``[TAIL, HEAD)`` are
   live, and at most ``LIMIT`` may be (cachelower + cacheslack).  Flushing advances ``TAIL`` a
-  page at a time between kernel calls.
+  page at a time between kernel calls.  ``ADMIT`` is the admission threshold: a missed row is
+  cached only when its count (this access included) is at least ``ADMIT``, so rows seen once
+  (most misses of a skewed stream) do not push hot rows out.
 
 A thread that finds a row uncached and unlocked takes ownership with a compare-and-swap on its
 pointer entry; the loser of a race simply reads the row where it is.  The owner claims a slot by
@@ -30,7 +35,8 @@ CACHED = 1
 LOCKED = 2
 MAX_REF = 3
 PREFETCH = 16  # pointer-table entries fetched this many indices ahead
-HEAD, TAIL, LIMIT, RING = 0, 1, 2, 3
+HEAD, TAIL, LIMIT, RING, ADMIT = 0, 1, 2, 3, 4
+MAX_FREQ = 255
 
 
 @njit(cache=True, inline="always")
@@ -45,20 +51,34 @@ def _claim_slot(state, tail, limit, ring):
 
 
 @njit(cache=True)
-def _cache_chunk(base, cache, ptr, backedge, ref, state, idx, i0, i1, tail, limit, ring, out):
+def _cache_chunk(base, cache, ptr, backedge, ref, freq, state, idx, i0, i1, tail, limit, ring, admit, out):
     """`access_and_cache` over ``idx[i0:i1]``; ``out[:] = (hits, misses, cached)``.
 
-    A hit bumps the slot's reference counter (saturating at ``MAX_REF``; races only lose counts).
+    Every access bumps the row's ``freq`` count (when ``freq`` is not empty); a hit also bumps the
+    slot's reference counter (saturating at ``MAX_REF``; races only lose counts).  A miss is cached
+    only when the row's count is at least ``admit``.  Once a slot claim fails the cache is full
+    until the next flush, so the rest of the chunk stops trying (a failed attempt costs three
+    atomic operations on shared lines: at k=40 with a full cache they dominated the pass).
     """
     F = base.shape[1]
     hits = 0
     misses = 0
     cached = 0
+    full = False
+    counting = freq.size > 0
     for i in range(i0, i1):
         if i + PREFETCH < i1:
             prefetch(ptr.ctypes.data + idx[i + PREFETCH] * 8)
+            if counting:
+                prefetch(freq.ctypes.data + idx[i + PREFETCH])
         r = idx[i]
         e = ptr[r]
+        f = 0
+        if counting:
+            f = freq[r]
+            if f < MAX_FREQ:
+                f += 1
+                freq[r] = f
         if e & CACHED:
             hits += 1
             s = e >> 2
@@ -66,11 +86,14 @@ def _cache_chunk(base, cache, ptr, backedge, ref, state, idx, i0, i1, tail, limi
                 ref[s] += 1
             continue
         misses += 1
+        if full or f < admit:
+            continue  # no room left, or not (yet) frequent enough to be worth a slot
         if e & LOCKED or cas(ptr, r, e, e | LOCKED) != e:
             continue  # another thread owns the row: read it where it is
         slot = _claim_slot(state, tail, limit, ring)
         if slot < 0:
             exchange(ptr, r, e)  # full: give the row back unchanged
+            full = True  # and stay full: nothing frees slots while the kernel runs
             continue
         src = base[r]
         dst = cache[slot]
@@ -86,16 +109,18 @@ def _cache_chunk(base, cache, ptr, backedge, ref, state, idx, i0, i1, tail, limi
 
 
 @njit(parallel=True, cache=True)
-def access_and_cache(base, cache, ptr, backedge, ref, state, idx, nchunks, counts):
-    """Cache every uncached row of ``idx`` while room lasts; ``counts += (hits, misses, cached)``."""
+def access_and_cache(base, cache, ptr, backedge, ref, freq, state, idx, nchunks, counts):
+    """Cache every uncached row of ``idx`` that passes admission while room lasts;
+    ``counts += (hits, misses, cached)``."""
     n = idx.size
     tail = state[TAIL]
     limit = state[LIMIT]
     ring = state[RING]
+    admit = state[ADMIT]
     part = np.zeros((nchunks, 3), np.int64)
     for c in prange(nchunks):
-        _cache_chunk(base, cache, ptr, backedge, ref, state, idx, c * n // nchunks, (c + 1) * n // nchunks,
-                     tail, limit, ring, part[c])
+        _cache_chunk(base, cache, ptr, backedge, ref, freq, state, idx, c * n // nchunks, (c + 1) * n // nchunks,
+                     tail, limit, ring, admit, part[c])
     for c in range(nchunks):
         for q in range(3):
             counts[q] += part[c, q]
@@ -185,8 +210,10 @@ def write_back_live(base, cache, backedge, state):
 
 @njit(cache=True)
 def access_and_cache_serial(base, cache, ptr, backedge, ref, state, idx, counts):
-    """Single-threaded `access_and_cache` (same protocol): the static policy's one-time fill."""
+    """Single-threaded `access_and_cache` (same protocol, no counts, every miss admitted): the
+    static policy's one-time fill."""
     part = np.zeros(3, np.int64)
-    _cache_chunk(base, cache, ptr, backedge, ref, state, idx, 0, idx.size, state[TAIL], state[LIMIT], state[RING], part)
+    _cache_chunk(base, cache, ptr, backedge, ref, np.empty(0, np.uint8), state, idx, 0, idx.size, state[TAIL],
+                 state[LIMIT], state[RING], 0, part)
     for q in range(3):
         counts[q] += part[q]

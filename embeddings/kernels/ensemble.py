@@ -3,7 +3,8 @@
 Work items are (table, chunk of the batch) pairs, so the threads balance across tables and
 within a table. Per-table arrays travel as homogeneous tuples (numba indexes them with a run-time
 table number); ``caches``/``slotss`` are tuples or ``None`` for tables without indirection. The
-chunk functions are the single-table ones, so row access specialises the same way.
+chunk functions are the single-table ones, so row access specialises the same way (and a
+caching table's hits are counted the same way, see ``rowaccess.record_hits``).
 """
 
 from __future__ import annotations

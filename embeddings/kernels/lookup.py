@@ -9,7 +9,10 @@ memory latency, so each chunk keeps a software prefetch ``dist`` index positions
 row it is summing (across bag boundaries; positions are contiguous inside a chunk). Rows are
 summed four at a time into an accumulator that lives on the stack (so in vector registers once
 LLVM unrolls the loops) when the feature size is specialised, and in a per-thread array
-otherwise. Rows are accessed through raw-pointer views (no reference counting per row). Output
+otherwise. Rows are accessed through raw-pointer views (no reference counting per row). Through
+a pointer table, each chunk also counts the cached rows it read (``hit_of``, ``record_hits`` in
+``rowaccess``: one atomic add per chunk, compiled away for plain tables), so a caching table
+needs no separate pass over the indices for its hit/miss telemetry. Output
 rows must be contiguous (``out.strides[1] == 4``); the row stride is free, so ``out`` can be a
 column slice of a wider array.
 """
@@ -24,7 +27,7 @@ from numba.extending import overload
 
 from .codecs import load
 from .intrinsics import stack_f32
-from .rowaccess import accumulator, featuresize, out_ptr, out_row, prefetch_ahead, row_of, row_ptr
+from .rowaccess import accumulator, featuresize, hit_of, out_ptr, out_row, prefetch_ahead, record_hits, row_of, row_ptr
 from .simd import vadd4, vcopy, vfma, vscale_store, vzero
 
 
@@ -33,12 +36,15 @@ def gather_chunk(spec, out, base, cache, slots, codec, idx, i0, i1, dist):
     """out[i] = row(idx[i]) for i in [i0, i1)."""
     F = featuresize(spec, base)
     nbytes = F * base.itemsize
+    hits = 0
     for i in range(i0, i1):
         prefetch_ahead(base, cache, slots, idx, i, dist, i1, nbytes)
+        hits += hit_of(slots, idx[i])
         row = row_of(base, cache, slots, idx[i], F)
         o = out_row(out, i, F)
         for k in range(F):
             o[k] = load(codec, row[k])
+    record_hits(base, slots, hits)
 
 
 @njit(cache=True, fastmath=True)
@@ -54,6 +60,7 @@ def pooled_chunk(spec, out, base, cache, slots, codec, idx, offsets, weights, me
     has_w = weights.size > 0
     one = np.float32(1.0)
     acc = accumulator(spec, heap)
+    hits = 0
     for b in range(b0, b1):
         s = offsets[b]
         e = offsets[b + 1]
@@ -63,6 +70,8 @@ def pooled_chunk(spec, out, base, cache, slots, codec, idx, offsets, weights, me
         while j + 4 <= e:
             for q in range(4):
                 prefetch_ahead(base, cache, slots, idx, j + q, dist, pend, nbytes)
+            hits += (hit_of(slots, idx[j]) + hit_of(slots, idx[j + 1])) + (
+                hit_of(slots, idx[j + 2]) + hit_of(slots, idx[j + 3]))
             r0 = row_of(base, cache, slots, idx[j], F)
             r1 = row_of(base, cache, slots, idx[j + 1], F)
             r2 = row_of(base, cache, slots, idx[j + 2], F)
@@ -82,6 +91,7 @@ def pooled_chunk(spec, out, base, cache, slots, codec, idx, offsets, weights, me
             j += 4
         while j < e:
             prefetch_ahead(base, cache, slots, idx, j, dist, pend, nbytes)
+            hits += hit_of(slots, idx[j])
             r0 = row_of(base, cache, slots, idx[j], F)
             w0 = weights[j] if has_w else one
             for k in range(F):
@@ -93,15 +103,19 @@ def pooled_chunk(spec, out, base, cache, slots, codec, idx, offsets, weights, me
         o = out_row(out, b, F)
         for k in range(F):
             o[k] = acc[k] * scale
+    record_hits(base, slots, hits)
 
 
 @njit(cache=True, fastmath=True)
 def gather_chunk_simd(spec, out, base, cache, slots, codec, idx, i0, i1, dist):
     """:func:`gather_chunk` for float32 rows of a specialised feature size (vector copies)."""
     nbytes = 8 * len(spec) * 4
+    hits = 0
     for i in range(i0, i1):
         prefetch_ahead(base, cache, slots, idx, i, dist, i1, nbytes)
+        hits += hit_of(slots, idx[i])
         vcopy(spec, out_ptr(out, i), row_ptr(base, cache, slots, idx[i]))
+    record_hits(base, slots, hits)
 
 
 @njit(cache=True, fastmath=True)
@@ -113,6 +127,7 @@ def pooled_chunk_simd(spec, out, base, cache, slots, codec, idx, offsets, weight
     has_w = weights.size > 0
     one = np.float32(1.0)
     acc = stack_f32(spec)
+    hits = 0
     for b in range(b0, b1):
         s = offsets[b]
         e = offsets[b + 1]
@@ -121,23 +136,28 @@ def pooled_chunk_simd(spec, out, base, cache, slots, codec, idx, offsets, weight
         if has_w:
             while j < e:
                 prefetch_ahead(base, cache, slots, idx, j, dist, pend, nbytes)
+                hits += hit_of(slots, idx[j])
                 vfma(spec, acc, row_ptr(base, cache, slots, idx[j]), weights[j])
                 j += 1
         else:
             while j + 4 <= e:
                 for q in range(4):
                     prefetch_ahead(base, cache, slots, idx, j + q, dist, pend, nbytes)
+                hits += (hit_of(slots, idx[j]) + hit_of(slots, idx[j + 1])) + (
+                    hit_of(slots, idx[j + 2]) + hit_of(slots, idx[j + 3]))
                 vadd4(spec, acc, row_ptr(base, cache, slots, idx[j]), row_ptr(base, cache, slots, idx[j + 1]),
                       row_ptr(base, cache, slots, idx[j + 2]), row_ptr(base, cache, slots, idx[j + 3]))
                 j += 4
             while j < e:
                 prefetch_ahead(base, cache, slots, idx, j, dist, pend, nbytes)
+                hits += hit_of(slots, idx[j])
                 vfma(spec, acc, row_ptr(base, cache, slots, idx[j]), one)
                 j += 1
         scale = one
         if mean and e > s:
             scale = one / np.float32(e - s)
         vscale_store(spec, out_ptr(out, b), acc, scale)
+    record_hits(base, slots, hits)
 
 
 def gather_chunk_any(spec, out, base, cache, slots, codec, idx, i0, i1, dist):  # pragma: no cover

@@ -10,7 +10,8 @@ Every kernel reads and writes rows through a *row source*, three arguments:
   ``cache[slots[r] >> 2]``; otherwise it lives in ``base[r]``.  Bit 1 is a lock bit used while a
   thread moves the row (see ``embeddings.kernels.cache``); readers ignore it.  ``None`` means no
   indirection (``SimpleEmbedding``) and is resolved at compile time, so a plain table pays
-  nothing for the indirection a caching table needs.
+  nothing for the indirection a caching table needs.  It may have one entry more than the table:
+  ``slots[nvectors]`` then counts the cached rows the lookup kernels read (``record_hits``).
 
 This is the dissertation's ``rowpointer(A, i, context)`` expressed with arrays instead of raw
 pointers: a caching table (``CachedEmbeddings``) fills ``cache``/``slots`` in its ``rows(Forward,
@@ -28,6 +29,7 @@ from __future__ import annotations
 from numba import carray, njit, types
 from numba.extending import overload
 
+from .atomics import fetch_add
 from .intrinsics import address_as_pointer, prefetch, stack_f32
 
 LINE = 64
@@ -151,3 +153,44 @@ def prefetch_row(base, cache, slots, r, nbytes):
         off += LINE
     if addr & (LINE - 1):
         prefetch(addr + nbytes - 1)
+
+
+def hit_of(slots, r):  # pragma: no cover - numba only
+    """1 when logical row ``r`` is cached (its pointer-table entry has the cached bit), else 0;
+    a constant 0 for plain tables."""
+    raise NotImplementedError
+
+
+@overload(hit_of, inline="always")
+def _hit_of(slots, r):
+    if isinstance(slots, types.NoneType):
+        return lambda slots, r: 0
+
+    def impl(slots, r):
+        return slots[r] & 1
+
+    return impl
+
+
+def record_hits(base, slots, hits):  # pragma: no cover - numba only
+    """Add a chunk's hit count to the table's hit counter, when it keeps one.
+
+    A caching table may give the kernels a pointer table one entry longer than the table
+    (``slots.size > base.shape[0]``); the extra entry ``slots[nvectors]`` then counts the cached
+    rows that lookups read (one atomic add per chunk), so the table needs no separate pass to
+    count hits.  Nothing for plain tables or a pointer table without the entry.
+    """
+    raise NotImplementedError
+
+
+@overload(record_hits, inline="always")
+def _record_hits(base, slots, hits):
+    if isinstance(slots, types.NoneType):
+        return lambda base, slots, hits: None
+
+    def impl(base, slots, hits):
+        n = base.shape[0]
+        if slots.size > n:
+            fetch_add(slots, n, hits)
+
+    return impl
