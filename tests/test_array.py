@@ -241,7 +241,7 @@ def test_no_move_between_write_use_and_pin(monkeypatch):
     monkeypatch.setattr(A, "_wrap", racing_wrap)
     with writable(x) as a:
         a[:] = 7
-    racing_wrap.thread.join()
+        racing_wrap.thread.join()  # the mover gets the lock once writable returns: x is pinned then
     assert outcome == ["pinned"]
     ca.evict(x)
     assert np.all(np.asarray(x) == 7)
