@@ -273,4 +273,4 @@ class ManagerMachine(RuleBasedStateMachine):
 
 
 TestManagerMachine = ManagerMachine.TestCase
-TestManagerMachine.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
+TestManagerMachine.settings = settings(max_examples=25, stateful_step_count=40, deadline=None)

@@ -298,7 +298,7 @@ class PolicyMachine(RuleBasedStateMachine):
             assert same(x, mirror)
 
 
-STATEFUL = settings(max_examples=25, stateful_step_count=30, deadline=None)
+STATEFUL = settings(max_examples=15, stateful_step_count=30, deadline=None)
 
 
 def _machine(factory):
