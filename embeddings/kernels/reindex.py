@@ -200,16 +200,21 @@ def _emit_sorted(srt, n, offsets, mean, by_position, bagpos, coefpos, uniq, star
 
 
 @njit(cache=True, inline="always")
+def _bag_of(offsets, b, p, mean, scale):
+    """(bag holding position ``p``, its mean scale), scanning forward from bag ``b``."""
+    while offsets[b + 1] <= p:
+        b += 1
+    if mean:
+        scale = np.float32(1.0) / np.float32(offsets[b + 1] - offsets[b])
+    return b, scale
+
+
+@njit(cache=True, inline="always")
 def _first_bag(offsets, L, mean):
     """(first non-empty bag, its mean scale) of a batch of L > 0 indices; (0, 1) when L == 0."""
-    b = 0
-    scale = np.float32(1.0)
     if L > 0:
-        while offsets[b + 1] <= 0:
-            b += 1
-        if mean:
-            scale = np.float32(1.0) / np.float32(offsets[b + 1] - offsets[b])
-    return b, scale
+        return _bag_of(offsets, 0, 0, mean, np.float32(1.0))
+    return 0, np.float32(1.0)
 
 
 @njit(cache=True)
@@ -238,10 +243,7 @@ def reindex_sort_serial(idx, offsets, weights, mean, npass, dbits, first_use, ke
     b, scale = _first_bag(offsets, L, mean)
     for p in range(L):  # one flat loop: with one index per bag a loop per bag cost 1.5x more
         if offsets[b + 1] <= p:
-            while offsets[b + 1] <= p:
-                b += 1
-            if mean:
-                scale = np.float32(1.0) / np.float32(offsets[b + 1] - offsets[b])
+            b, scale = _bag_of(offsets, b, p, mean, scale)
         r = np.int64(idx[p])
         _count_digits(h, npass, nb, r, dbits, mask)
         if by_pos:
@@ -312,10 +314,7 @@ def reindex_part(idx, offsets, weights, mean, t, P, rbits, dbits, keys, tmp, his
     b, scale = _first_bag(offsets, L, mean)
     for p in range(L):
         if offsets[b + 1] <= p:
-            while offsets[b + 1] <= p:
-                b += 1
-            if mean:
-                scale = np.float32(1.0) / np.float32(offsets[b + 1] - offsets[b])
+            b, scale = _bag_of(offsets, b, p, mean, scale)
         r = np.int64(idx[p])
         if owner(r, P, rbits) == t:
             _count_digits(h, npass, nb, r, dbits, mask)
