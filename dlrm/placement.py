@@ -28,11 +28,6 @@ POLICIES = ("dram", "simple", "static", "dynamic")
 _INIT_CHUNK = 1 << 20  # rows per initialisation chunk
 
 
-def device_of(x: CachedArray) -> str:
-    """Name of the device holding ``x``'s primary region."""
-    return x.device
-
-
 def allocate_table(manager: Manager, nrows: int, featuresize: int, where: str) -> CachedArray:
     """An uninitialised float32 (nrows, featuresize) CachedArray in the ``fast`` or ``slow`` device."""
     return CachedArray((int(nrows), int(featuresize)), manager, np.float32, place=where)
@@ -53,7 +48,7 @@ def init_table(x: CachedArray, seed: int, table: int) -> None:
 
 def hot_rows(batches: Iterable[Batch], ntables: int, counts: Sequence[int]) -> list[np.ndarray]:
     """Per table, the ``counts[t]`` rows looked up most often in ``batches`` (most frequent
-    first; fewer when fewer distinct rows occur): the hot set a ``static`` cache is filled with."""
+    first, ties by row number; fewer when fewer rows occur): the hot set a ``static`` cache holds."""
     seen: list[list[np.ndarray]] = [[] for _ in range(ntables)]
     for b in batches:
         for t in range(ntables):
@@ -166,5 +161,5 @@ def table_devices(tables: Sequence[EmbeddingTable]) -> list[str]:
     out = []
     for t in tables:
         x = table_array(t)
-        out.append(device_of(x) if isinstance(x, CachedArray) else "numpy")
+        out.append(x.device if isinstance(x, CachedArray) else "numpy")
     return out

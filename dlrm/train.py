@@ -16,7 +16,7 @@ import time
 
 
 from . import checkpoint
-from .dense import DLRMConfig
+from .dense import PRECISIONS, DLRMConfig
 from .metrics import accuracy
 from .placement import POLICIES, cache_rows, flush, hitrate, hot_rows, make_tables, table_devices
 
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--optimizer", choices=("sgd", "adagrad"), default="sgd",
                    help="embedding tables: fused SGD or row-wise Adagrad; dense weights always use SGD")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--dense-precision", choices=("f32", "bf16"), default="f32",
+    t.add_argument("--dense-precision", choices=PRECISIONS, default="f32",
                    help="matmul precision of the MLPs: bf16 = bfloat16 operands, float32 accumulation and weights")
     d = p.add_argument_group("data")
     d.add_argument("--data-generation", choices=("random", "dataset"), default="random",
