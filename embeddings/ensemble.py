@@ -16,12 +16,12 @@ from numba import get_num_threads
 from . import config
 from .batch import Bags, make_bags
 from .kernels import ensemble as K
-from .kernels.reindex import plan_arrays, reindex_many
+from .kernels.reindex import plan_arrays, reindex_many, reindex_sort_many, sortable
 from .kernels.rowaccess import spec_for
 from .lookup import prefetch_distance, run_lookup
 from .optim import SGD, Optimizer, RowwiseAdagrad
 from .protocol import FORWARD, UPDATE, EmbeddingTable, RowSource
-from .pullback import bag_offsets, check_grad, make_plan, run_update, scratch_for
+from .pullback import bag_offsets, check_grad, make_plan, run_update, scratch_for, sort_buffers, workspace
 
 _MAX_TABLES = 64  # numba unpacks tuples into parallel regions only up to ~100 entries
 
@@ -150,15 +150,7 @@ class Ensemble:
                 run_update(t, g3[:, i, :], make_plan(t, b), optimizer.code, float(optimizer.lr),
                            float(optimizer.eps), optimizer.state(t), _NO_GOUT)
             return
-        need_coef = any(b.weights.size > 0 for b in bags) or bags[0].mean
-        plans = [plan_arrays(b.indices.size, need_coef) for b in bags]
-        uniqs, countss, startss, ent_bags, ent_coefs = (tuple(p[j] for p in plans) for j in range(5))
-        ws = tuple(b.weights if b.weights.size or not need_coef else np.ones(b.indices.size, np.float32)
-                   for b in bags)
-        Us = np.zeros(T, np.int64)
-        reindex_many(_same_dtype([b.indices for b in bags]), tuple(bag_offsets(b) for b in bags), ws,
-                     bags[0].mean, tuple(scratch_for(t) for t in self.tables), uniqs, countss, startss,
-                     ent_bags, ent_coefs, Us)
+        uniqs, startss, ent_bags, ent_coefs, Us = self._plans(bags)
         states = tuple(optimizer.state(t) for t in self.tables)
         with ExitStack() as stack:
             srcs = [stack.enter_context(t.rows(UPDATE, u[:n], writable=True))
@@ -168,6 +160,34 @@ class Ensemble:
             K.ensemble_update(spec_for(self._F), bases, caches, slotss, srcs[0].codec, g3, uniqs,
                               startss, ent_bags, ent_coefs, Us, optimizer.code, float(optimizer.lr),
                               float(optimizer.eps), states, _NO_GOUT, dist, get_num_threads())
+
+    def _plans(self, bags: list[Bags]) -> tuple:
+        """Every table's update plan, reindexed in parallel across tables: ``(uniqs, startss,
+        ent_bags, ent_coefs, Us)``, tuples of per-table arrays and the unique-row counts.
+
+        The radix sort over each table's batch (as ``pullback.make_plan``), in this thread's
+        workspace; the dense per-table maps only when a table is too large for the packed keys.
+        """
+        T = len(self.tables)
+        Us = np.zeros(T, np.int64)
+        idxs = _same_dtype([b.indices for b in bags])
+        offs = tuple(bag_offsets(b) for b in bags)
+        if all(sortable(t.nvectors(), b.indices.size) for t, b in zip(self.tables, bags)):
+            ws = workspace()
+            cols = list(zip(*(sort_buffers(ws, f"ensemble{i}.", t.nvectors(), b)
+                              for i, (t, b) in enumerate(zip(self.tables, bags)))))
+            small = [np.array(c, np.int64) for c in cols[:3]]
+            arrays = [tuple(c) for c in cols[3:]]
+            reindex_sort_many(idxs, offs, tuple(b.weights for b in bags), bags[0].mean, *small, *arrays, Us)
+            return (*arrays[-4:], Us)
+        need_coef = any(b.weights.size > 0 for b in bags) or bags[0].mean
+        plans = [plan_arrays(b.indices.size, need_coef) for b in bags]
+        uniqs, countss, startss, ent_bags, ent_coefs = (tuple(p[j] for p in plans) for j in range(5))
+        ws = tuple(b.weights if b.weights.size or not need_coef else np.ones(b.indices.size, np.float32)
+                   for b in bags)
+        reindex_many(idxs, offs, ws, bags[0].mean, tuple(scratch_for(t) for t in self.tables), uniqs, countss,
+                     startss, ent_bags, ent_coefs, Us)
+        return uniqs, startss, ent_bags, ent_coefs, Us
 
 
 def _tuples(srcs: list[RowSource]):

@@ -93,6 +93,27 @@ def workspace() -> Workspace:
     return ws
 
 
+def sort_buffers(ws: Workspace, tag: str, nvec: int, bags: Bags) -> tuple:
+    """The arguments of :func:`~.kernels.reindex.reindex_sort_serial` after the batch (``npass``,
+    ``dbits``, ``first_use``, workspace and plan arrays), views of ``ws``'s buffers named ``tag``+...;
+    the last four are the plan (``uniq``, ``starts``, ``bag``, ``coef``)."""
+    L = bags.indices.size
+    need_coef = bags.weights.size > 0 or bags.mean
+    npass, dbits = sort_params(nvec)
+    first_use = L <= config.FIRST_USE_MAX
+    by_pos = first_use or bags.weights.size > 0
+
+    def get(name: str, shape: tuple[int, ...], dtype: type, fill: int | None = None) -> np.ndarray:
+        return ws.get(tag + name, shape, dtype, fill)
+
+    return (npass, dbits, first_use, get("keys", (L,), np.int64), get("tmp", (L,), np.int64),
+            get("hists", (npass, 1 << dbits), np.int64), get("bagpos", (L if by_pos else 0,), np.int32),
+            get("coefpos", (L if by_pos and need_coef else 0,), np.float32),
+            get("head", (L if first_use else 0,), np.int64, -1),
+            get("uniq", (L,), np.int64), get("starts", (L + 1,), np.int64), get("bag", (L,), np.int32),
+            get("coef", (L if need_coef else 0,), np.float32))
+
+
 def make_plan(table: EmbeddingTable, bags: Bags) -> UpdatePlan:
     """Reindex a validated batch into an :class:`UpdatePlan` on the calling thread.
 
@@ -113,16 +134,9 @@ def make_plan(table: EmbeddingTable, bags: Bags) -> UpdatePlan:
         n = reindex_into(bags.indices, bag_offsets(bags), bags.weights, bags.mean, scratch_for(table),
                          uniq, np.empty(L, np.int64), starts, ent_bag, ent_coef)
         return UpdatePlan(uniq[:n], starts[: n + 1], ent_bag, ent_coef)
-    npass, dbits = sort_params(nvec)
-    first_use = L <= config.FIRST_USE_MAX
-    by_pos = first_use or bags.weights.size > 0
-    n = reindex_sort_serial(bags.indices, bag_offsets(bags), bags.weights, bags.mean, npass, dbits, first_use,
-                            ws.get("keys", (L,), np.int64), ws.get("tmp", (L,), np.int64),
-                            ws.get("hists", (npass, 1 << dbits), np.int64),
-                            ws.get("bagpos", (L if by_pos else 0,), np.int32),
-                            ws.get("coefpos", (L if by_pos and need_coef else 0,), np.float32),
-                            ws.get("head", (L if first_use else 0,), np.int64, fill=-1),
-                            uniq, starts, ent_bag, ent_coef)
+    args = sort_buffers(ws, "", nvec, bags)
+    n = reindex_sort_serial(bags.indices, bag_offsets(bags), bags.weights, bags.mean, *args)
+    uniq, starts, ent_bag, ent_coef = args[-4:]
     return UpdatePlan(uniq[:n], starts[: n + 1], ent_bag, ent_coef)
 
 

@@ -1,9 +1,8 @@
 """Reindexing for the backward pass (dissertation Figure 5.2, step 4).
 
 The lookup indices are turned into a CSR "update plan" with one entry per *unique* row. Two
-methods: the radix sort over the batch at the end of this module (what ``pullback`` uses), and
-the dense per-table map below (tables too large for the sort's packed keys, and the ensemble's
-per-table reindexing in parallel across tables):
+methods: the radix sort over the batch at the end of this module (what ``pullback`` and the
+ensemble use), and the dense per-table map below (tables too large for the sort's packed keys):
 
 1. histogram: walk the indices, give each new row the next unique id (``scratch[row]``, a dense
    int32 map per table that is all -1 between calls) and count its uses;
@@ -285,6 +284,18 @@ def reindex_sort_serial(idx, offsets, weights, mean, npass, dbits, first_use, ke
             q += 1
     starts[U] = L
     return U
+
+
+@njit(parallel=True, cache=True)
+def reindex_sort_many(idxs, offsetss, weightss, mean, npasses, dbitss, first_uses, keyss, tmps, histss, bagposs,
+                      coefposs, heads, uniqs, startss, ent_bags, ent_coefs, Us):
+    """:func:`reindex_sort_serial` for several tables at once, in parallel across tables (tuples of
+    arrays, one per table; ``npasses``/``dbitss``/``first_uses`` arrays); ``Us[t]`` gets table
+    ``t``'s number of unique rows."""
+    for t in prange(len(idxs)):
+        Us[t] = reindex_sort_serial(idxs[t], offsetss[t], weightss[t], mean, npasses[t], dbitss[t],
+                                    first_uses[t], keyss[t], tmps[t], histss[t], bagposs[t], coefposs[t],
+                                    heads[t], uniqs[t], startss[t], ent_bags[t], ent_coefs[t])
 
 
 @njit(cache=True, inline="always")
