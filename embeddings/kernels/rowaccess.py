@@ -26,11 +26,12 @@ when ``spec == ()``. Constant sizes let LLVM fully unroll the inner loops.
 
 from __future__ import annotations
 
+import numpy as np
 from numba import carray, njit, types
 from numba.extending import overload
 
 from .atomics import fetch_add
-from .intrinsics import address_as_pointer, prefetch, stack_f32
+from .intrinsics import address_as_pointer, prefetch, prefetch_nta, stack_f32
 
 LINE = 64
 SPECIALISED = (8, 16, 32, 64, 128, 256)
@@ -40,6 +41,13 @@ _SPECS = {n: (False,) * (n // 8) for n in SPECIALISED}
 def spec_for(featuresize: int) -> tuple:
     """The ``spec`` argument for a feature size: ``featuresize // 8`` entries, or ``()``."""
     return _SPECS.get(int(featuresize), ())
+
+
+@njit(cache=True, inline="always")
+def U(i):
+    """``i`` as an unsigned index: numba then skips the negative-index wraparound (a sign test
+    and an add per access) in the hot loops; only for indices known to be non-negative."""
+    return np.uint64(i)
 
 
 @njit(cache=True, inline="always")
@@ -75,7 +83,7 @@ def _row_address(base, cache, slots, r):
         return lambda base, cache, slots, r: base.ctypes.data + r * base.strides[0]
 
     def impl(base, cache, slots, r):
-        s = slots[r]
+        s = slots[U(r)]
         if s & 1:
             return cache.ctypes.data + (s >> 2) * cache.strides[0]
         return base.ctypes.data + r * base.strides[0]
@@ -123,7 +131,7 @@ def _prefetch_slot(slots, idx, k, end):
 
     def impl(slots, idx, k, end):
         if k < end:
-            prefetch(slots.ctypes.data + idx[k] * slots.itemsize)
+            prefetch(slots.ctypes.data + idx[U(k)] * slots.itemsize)
 
     return impl
 
@@ -134,7 +142,7 @@ def prefetch_ahead(base, cache, slots, idx, j, dist, end, nbytes):
     the row prefetch must read the entry, so the entry is fetched one distance earlier still."""
     jp = j + dist
     if jp < end:
-        prefetch_row(base, cache, slots, idx[jp], nbytes)
+        prefetch_row(base, cache, slots, idx[U(jp)], nbytes)
         prefetch_slot(slots, idx, jp + dist, end)
 
 
@@ -167,7 +175,7 @@ def _hit_of(slots, r):
         return lambda slots, r: 0
 
     def impl(slots, r):
-        return slots[r] & 1
+        return slots[U(r)] & 1
 
     return impl
 
