@@ -40,24 +40,6 @@ def prefetch(typingctx, addr):
 
 
 @intrinsic
-def prefetch_nta(typingctx, addr):
-    """Prefetch the cache line holding ``addr`` for reading, non-temporal (locality 0)."""
-    if not isinstance(addr, types.Integer):
-        return None
-    sig = types.void(addr)
-
-    def codegen(context, builder, signature, args):
-        ptr = builder.inttoptr(args[0], _i8p)
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [_i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-        builder.call(fn, [ptr, i32(0), i32(0), i32(1)])
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
 def f32_bits(typingctx, x):
     """Reinterpret a float32 as uint32."""
     if x != types.float32:

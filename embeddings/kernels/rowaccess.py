@@ -31,7 +31,7 @@ from numba import carray, njit, types
 from numba.extending import overload
 
 from .atomics import fetch_add
-from .intrinsics import address_as_pointer, prefetch, prefetch_nta, stack_f32
+from .intrinsics import address_as_pointer, prefetch, stack_f32
 
 LINE = 64
 SPECIALISED = (8, 16, 32, 64, 128, 256)
