@@ -165,3 +165,31 @@ def test_array_like_that_only_copies_is_readable_but_refuses_updates():
     with pytest.raises(TypeError, match="in place"):
         E.pullback(t, np.ones((1, 2), np.float32), [1], optimizer=E.SGD(1.0))
     assert np.array_equal(a, np.arange(8, dtype=np.float32).reshape(4, 2))
+
+
+@pytest.mark.parametrize("F", [8, 16, 32, 64, 128, 256])
+def test_every_specialised_size_matches_numpy_with_unaligned_output(F):
+    """Each compile-time feature size (8- and 16-wide vector code) for every lookup form, writing
+    into rows that start 4 bytes off a cache line, and the fused SGD update."""
+    rng = np.random.default_rng(F)
+    table = rng.standard_normal((50, F)).astype(np.float32)
+    t = E.SimpleEmbedding(table.copy())
+    offsets = np.array([0, 9, 9, 10, 17], np.int64)  # bags of 9 (4 + 4 + 1), 0, 1, 7
+    idx = rng.integers(0, 50, offsets[-1])
+    w = rng.random(offsets[-1]).astype(np.float32)
+    wide = np.zeros((4, F + 1), np.float32)
+    out = wide[:, 1:]  # rows 4 bytes into each row of `wide`
+    for mode, weights in (("sum", None), ("mean", None), ("sum", w)):
+        E.lookup_into(out, t, idx, offsets, mode=mode, weights=weights)
+        np.testing.assert_allclose(out, ref_pooled(table, idx, offsets, weights, mode == "mean"), rtol=1e-5, atol=1e-5)
+        assert (wide[:, 0] == 0).all()
+    flat = np.zeros((idx.size, F + 1), np.float32)
+    E.lookup_into(flat[:, 1:], t, idx)
+    assert np.array_equal(flat[:, 1:], table[idx])
+    g = rng.standard_normal((4, F)).astype(np.float32)
+    E.pullback(t, g, idx, offsets, optimizer=E.SGD(0.5))
+    want = table.copy()
+    for b in range(4):
+        for p in range(offsets[b], offsets[b + 1]):
+            want[idx[p]] -= 0.5 * g[b]
+    np.testing.assert_allclose(t.data, want, rtol=1e-5, atol=1e-5)

@@ -1,8 +1,8 @@
-"""Explicit 8-wide float32 vector operations on raw pointers, for specialised feature sizes.
+"""Explicit float32 vector operations on raw pointers, for specialised feature sizes.
 
 numba runs LLVM without the SLP vectoriser, so once a constant-length loop over a row is fully
-unrolled it stays scalar. These intrinsics emit ``<8 x float>`` loads, adds/FMAs and stores
-directly; the accumulator is a stack buffer (``stack_f32``), which LLVM promotes to vector
+unrolled it stays scalar. These intrinsics emit ``<8 x float>`` (or ``<16 x float>``, see
+:func:`_width`) loads, adds/FMAs and stores directly; the accumulator is a stack buffer (``stack_f32``), which LLVM promotes to vector
 registers, giving the register-resident accumulator of the dissertation's kernels. The length
 is ``8 * len(spec)`` floats, known at compile time.
 """
@@ -25,18 +25,39 @@ def _is_fptr(p):
     return isinstance(p, types.CPointer) and p.dtype == types.float32
 
 
-def _vptr(builder, p, i):
-    return builder.bitcast(builder.gep(p, [ir.Constant(ir.IntType(64), 8 * i)]), _v8.as_pointer())
+WIDE = 16
 
 
-def _load(builder, p, i):
-    return builder.load(_vptr(builder, p, i), align=4)
+def _vptr(builder, p, i, w=8):
+    return builder.bitcast(builder.gep(p, [ir.Constant(ir.IntType(64), w * i)]), ir.VectorType(_f, w).as_pointer())
 
 
-def _splat(builder, x):
-    v = ir.Constant(_v8, ir.Undefined)
+def _load(builder, p, i, w=8):
+    return builder.load(_vptr(builder, p, i, w), align=4)
+
+
+def _splat(builder, x, w=8):
+    vt = ir.VectorType(_f, w)
+    v = ir.Constant(vt, ir.Undefined)
     v = builder.insert_element(v, x, ir.Constant(ir.IntType(32), 0))
-    return builder.shuffle_vector(v, ir.Constant(_v8, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8))
+    return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), w), [0] * w))
+
+
+def _width(spec):
+    """``(floats per vector, vectors per row)`` for a spec: ``<16 x float>`` for feature sizes of
+    64 and up that are a multiple of 16, else ``<8 x float>``.
+
+    Rows of 256 floats in 8-wide vectors need all 32 vector registers for the accumulator, and
+    LLVM spilled two of them (a store-to-load chain per row); 16-wide vectors (one AVX-512
+    instruction, or two AVX2 ones where there is no AVX-512) halve the count. Pooled Zipf
+    lookups of 64 and 256 floats ran ~7-10% faster; 16 floats ran slower, so they stay 8-wide.
+    Only the accumulating operations use it: stores go to arbitrary numpy rows, often 16 bytes
+    off a cache line, where every 64-byte store would straddle two lines.
+    """
+    n = len(spec)
+    if n >= 8 and n % (WIDE // 8) == 0:
+        return WIDE, n * 8 // WIDE
+    return 8, n
 
 
 @intrinsic
@@ -44,11 +65,11 @@ def vzero(typingctx, spec, acc):
     """acc[:F] = 0."""
     if not (_is_spec(spec) and _is_fptr(acc)):
         return None
-    n = len(spec)
+    vw, n = _width(spec)
 
     def codegen(context, builder, sig, args):
         for i in range(n):
-            builder.store(ir.Constant(_v8, [0.0] * 8), _vptr(builder, args[1], i), align=4)
+            builder.store(ir.Constant(ir.VectorType(_f, vw), [0.0] * vw), _vptr(builder, args[1], i, vw), align=4)
         return context.get_dummy_value()
 
     return types.void(spec, acc), codegen
@@ -59,14 +80,14 @@ def vadd4(typingctx, spec, acc, p0, p1, p2, p3):
     """acc[:F] += (p0 + p1) + (p2 + p3)."""
     if not (_is_spec(spec) and all(_is_fptr(p) for p in (acc, p0, p1, p2, p3))):
         return None
-    n = len(spec)
+    vw, n = _width(spec)
 
     def codegen(context, builder, sig, args):
         a, q0, q1, q2, q3 = args[1:]
         for i in range(n):
-            s = builder.fadd(builder.fadd(_load(builder, q0, i), _load(builder, q1, i)),
-                             builder.fadd(_load(builder, q2, i), _load(builder, q3, i)))
-            builder.store(builder.fadd(_load(builder, a, i), s), _vptr(builder, a, i), align=4)
+            s = builder.fadd(builder.fadd(_load(builder, q0, i, vw), _load(builder, q1, i, vw)),
+                             builder.fadd(_load(builder, q2, i, vw), _load(builder, q3, i, vw)))
+            builder.store(builder.fadd(_load(builder, a, i, vw), s), _vptr(builder, a, i, vw), align=4)
         return context.get_dummy_value()
 
     return types.void(spec, acc, p0, p1, p2, p3), codegen
@@ -77,14 +98,14 @@ def vfma(typingctx, spec, acc, p, w):
     """acc[:F] += w * p."""
     if not (_is_spec(spec) and _is_fptr(acc) and _is_fptr(p) and w == types.float32):
         return None
-    n = len(spec)
+    vw, n = _width(spec)
 
     def codegen(context, builder, sig, args):
         a, q, x = args[1:]
-        ws = _splat(builder, x)
+        ws = _splat(builder, x, vw)
         for i in range(n):
-            v = builder.fadd(_load(builder, a, i), builder.fmul(ws, _load(builder, q, i)))
-            builder.store(v, _vptr(builder, a, i), align=4)
+            v = builder.fadd(_load(builder, a, i, vw), builder.fmul(ws, _load(builder, q, i, vw)))
+            builder.store(v, _vptr(builder, a, i, vw), align=4)
         return context.get_dummy_value()
 
     return types.void(spec, acc, p, w), codegen
@@ -95,13 +116,13 @@ def vscale_store(typingctx, spec, dst, acc, scale):
     """dst[:F] = scale * acc[:F]."""
     if not (_is_spec(spec) and _is_fptr(dst) and _is_fptr(acc) and scale == types.float32):
         return None
-    n = len(spec)
+    vw, n = 8, len(spec)  # stores: 8-wide (destinations need not be 64-byte aligned)
 
     def codegen(context, builder, sig, args):
         d, a, x = args[1:]
-        ws = _splat(builder, x)
+        ws = _splat(builder, x, vw)
         for i in range(n):
-            builder.store(builder.fmul(ws, _load(builder, a, i)), _vptr(builder, d, i), align=4)
+            builder.store(builder.fmul(ws, _load(builder, a, i, vw)), _vptr(builder, d, i, vw), align=4)
         return context.get_dummy_value()
 
     return types.void(spec, dst, acc, scale), codegen
@@ -112,12 +133,12 @@ def vcopy(typingctx, spec, dst, src):
     """dst[:F] = src[:F]."""
     if not (_is_spec(spec) and _is_fptr(dst) and _is_fptr(src)):
         return None
-    n = len(spec)
+    vw, n = 8, len(spec)  # stores: 8-wide (destinations need not be 64-byte aligned)
 
     def codegen(context, builder, sig, args):
         d, s = args[1:]
         for i in range(n):
-            builder.store(_load(builder, s, i), _vptr(builder, d, i), align=4)
+            builder.store(_load(builder, s, i, vw), _vptr(builder, d, i, vw), align=4)
         return context.get_dummy_value()
 
     return types.void(spec, dst, src), codegen
