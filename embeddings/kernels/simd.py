@@ -2,9 +2,10 @@
 
 numba runs LLVM without the SLP vectoriser, so once a constant-length loop over a row is fully
 unrolled it stays scalar. These intrinsics emit ``<8 x float>`` (or ``<16 x float>``, see
-:func:`_width`) loads, adds/FMAs and stores directly; the accumulator is a stack buffer (``stack_f32``), which LLVM promotes to vector
-registers, giving the register-resident accumulator of the dissertation's kernels. The length
-is ``8 * len(spec)`` floats, known at compile time.
+:func:`_width`) loads, adds/FMAs and stores directly; the accumulator is a stack buffer
+(``stack_f32``), which LLVM promotes to vector registers, giving the register-resident
+accumulator of the dissertation's kernels. The length is ``8 * len(spec)`` floats, known at
+compile time.
 """
 
 from __future__ import annotations
