@@ -17,14 +17,16 @@ What it measures, and how:
    alternate in blocks inside every round and the median step time gives samples/s. Ours runs
    twice over the same tables: dense matmuls in float32 (as torch) and in bfloat16 with float32
    accumulation and weights (``--dense-precision bf16``; the dissertation's comparison in section
-   5.5.2 used bf16 MLPs too). Targets: ours/torch >= 1.5 on (a) and >= 2 on (b).
+   5.5.2 used bf16 MLPs too). Targets: ours/torch >= 1.5 on (a) and >= 2 on (b), against the f32
+   torch baseline. For a like-for-like view of bf16, torch also runs under bf16 autocast (its own
+   mixed precision) in the same rounds; that table is information, not a target.
 2. Loss curves: both models from the same initial weights on the same planted data (synthetic,
    labels drawn from a hidden teacher, Zipf indices), 200 steps of the Kaggle architecture with
    tables capped at 100k rows, batch 1024, lr 0.1, ours in f32 and in bf16. Target: the 20-step
    moving averages differ by less than 0.01 everywhere (for f32, summation order is the only
    difference; bf16 rounds the matmul operands).
-   The torch step is also timed without its embedding work (pooled embeddings precomputed), which
-   splits both implementations into embedding work and dense work.
+   The torch step is also timed without its embedding work (pooled embeddings precomputed, in the
+   same rounds), which splits both implementations into embedding work and dense work.
 3. Policies on (b) with Zipf(1) indices, all built side by side and run in alternating rounds:
    samples/s and the time per phase (lookup, dense
    forward+backward, embedding update, dense update, cache flush) for ``dram``, ``simple``
@@ -92,14 +94,14 @@ def data_for(shape: dict, dist: str, n: int, seed: int = 0):
     return [d.batch(i) for i in range(n)]
 
 
-def torch_twin(model, lr: float):
+def torch_twin(model, lr: float, bf16: bool = False):
     import torch
     from dlrm.placement import read_table
     from torch_dlrm import TorchDLRM, TorchTrainer
 
     torch.set_num_threads(os.cpu_count() or 1)
     tm = TorchDLRM([read_table(t) for t in model.tables], model.dense_numpy(), model.config.interaction)
-    return TorchTrainer(tm, lr)
+    return TorchTrainer(tm, lr, bf16=bf16)
 
 
 def compare(shape: dict, steps: int, rounds: int, lr: float = 0.01) -> dict:
@@ -115,44 +117,45 @@ def compare(shape: dict, steps: int, rounds: int, lr: float = 0.01) -> dict:
         batches = data_for(shape, "uniform", 3)
         tbs = [TorchTrainer.convert(b) for b in batches]
         tt = torch_twin(model, lr)
+        tt16 = torch_twin(model, lr, bf16=True)
         for mod in ours.values():
             mod.warmup(batches[0])
             mod.timer.reset()
         tt.step(tbs[0])
+        tt16.step(tbs[0])
         setup = time.perf_counter() - t0
-        times: dict = {"f32": [], "bf16": [], "torch": []}
+        # torch without its embedding work (precomputed pooled embeddings) splits its step in two
+        lys = [tt.pooled(tb) for tb in tbs]
+        tt.dense_only_step(tbs[0], lys[0])
+        times: dict = {"f32": [], "bf16": [], "torch": [], "torch_bf16": [], "torch_dense": []}
+        torches = {"torch": lambda j: tt.step(tbs[j]), "torch_bf16": lambda j: tt16.step(tbs[j]),
+                   "torch_dense": lambda j: tt.dense_only_step(tbs[j], lys[j])}
         for r in range(rounds):
-            order = ("f32", "bf16", "torch") if r % 2 == 0 else ("torch", "bf16", "f32")
-            for who in order:
+            order = ("f32", "bf16", "torch", "torch_bf16", "torch_dense")
+            for who in (order if r % 2 == 0 else order[::-1]):
                 for s in range(steps):
                     j = (r * steps + s) % len(batches)
                     t = time.perf_counter()
-                    if who == "torch":
-                        tt.step(tbs[j])
+                    if who in torches:
+                        torches[who](j)
                     else:
                         ours[who].train_step(batches[j])
                     times[who].append(time.perf_counter() - t)
         phases = {p: {k: 1e3 * v / len(times[p]) for k, v in ours[p].timer.table().items()} for p in ours}
-        # torch without its embedding work (precomputed pooled embeddings): splits its step in two
-        dense_only = []
-        lys = [tt.pooled(tb) for tb in tbs]
-        tt.dense_only_step(tbs[0], lys[0])
-        for s in range(max(3, steps)):
-            j = s % len(tbs)
-            t = time.perf_counter()
-            tt.dense_only_step(tbs[j], lys[j])
-            dense_only.append(time.perf_counter() - t)
         del lys
         B = shape["B"]
         med = {k: statistics.median(v) for k, v in times.items()}
         res = {"label": shape["label"], "batch": B, "ours_step_s": med["f32"], "ours_bf16_step_s": med["bf16"],
                "torch_step_s": med["torch"], "ours_samples_s": B / med["f32"], "ours_bf16_samples_s": B / med["bf16"],
-               "torch_samples_s": B / med["torch"], "ours_steps": times["f32"], "ours_bf16_steps": times["bf16"],
-               "torch_steps": times["torch"], "ours_phase_ms": phases["f32"], "ours_bf16_phase_ms": phases["bf16"],
-               "setup_s": setup, "target": shape["target"], "torch_dense_only_step_s": statistics.median(dense_only)}
+               "torch_samples_s": B / med["torch"], "torch_bf16_step_s": med["torch_bf16"],
+               "torch_bf16_samples_s": B / med["torch_bf16"], "ours_steps": times["f32"],
+               "ours_bf16_steps": times["bf16"], "torch_steps": times["torch"], "torch_bf16_steps": times["torch_bf16"],
+               "ours_phase_ms": phases["f32"], "ours_bf16_phase_ms": phases["bf16"],
+               "setup_s": setup, "target": shape["target"], "torch_dense_only_step_s": med["torch_dense"]}
         res["ratio"] = res["ours_samples_s"] / res["torch_samples_s"]
         res["ratio_bf16"] = res["ours_bf16_samples_s"] / res["torch_samples_s"]
-        del tt, model, ours, tbs
+        res["ratio_bf16_vs_torch_bf16"] = res["ours_bf16_samples_s"] / res["torch_bf16_samples_s"]
+        del tt, tt16, torches, model, ours, tbs
         m.close()
     gc.collect()
     return res
@@ -283,11 +286,17 @@ def main(argv=None) -> dict:
                          f"{r['torch_samples_s']:.0f}", f"{ratio:.2f}x", f">= {r['target']}x",
                          verdict(ratio >= r["target"])])
         print(f"  {r['label']}: ours {r['ours_samples_s']:.0f}/s (bf16 dense {r['ours_bf16_samples_s']:.0f}/s), "
-              f"torch {r['torch_samples_s']:.0f}/s", flush=True)
+              f"torch {r['torch_samples_s']:.0f}/s (bf16 autocast {r['torch_bf16_samples_s']:.0f}/s)", flush=True)
     if rows:
         print_table("training throughput, tables in DRAM, uniform indices (median step; data generation excluded; "
                     "ours with f32 and with bf16 dense matmuls, torch f32)",
                     ["shape", "ours dense", "batch", "ours samples/s", "torch samples/s", "ratio", "target", ""], rows)
+        print_table("like for like in bf16: ours with bf16 dense matmuls against torch under bf16 autocast "
+                    "(information; the targets above are against the f32 torch baseline the issue specifies)",
+                    ["shape", "ours bf16 samples/s", "torch bf16 samples/s", "ratio"],
+                    [[results[k]["label"], f"{results[k]['ours_bf16_samples_s']:.0f}",
+                      f"{results[k]['torch_bf16_samples_s']:.0f}", f"{results[k]['ratio_bf16_vs_torch_bf16']:.2f}x"]
+                     for k in ("a", "b") if k in results])
         print_table("where the time goes (ms per step; torch split by timing its step without embeddings)",
                     ["shape", "ours embeddings", "torch embeddings", "ratio", "ours dense", "torch dense", "ratio"],
                     [split_row(results[k]) for k in ("a", "b") if k in results])

@@ -70,12 +70,22 @@ class TorchDLRM(nn.Module):
 
 
 class TorchTrainer:
-    """SGD training steps of a :class:`TorchDLRM` on ``dlrm.data.Batch`` objects."""
+    """SGD training steps of a :class:`TorchDLRM` on ``dlrm.data.Batch`` objects.
 
-    def __init__(self, model: TorchDLRM, lr: float):
+    ``bf16=True`` runs the forward under ``torch.autocast("cpu", torch.bfloat16)``: PyTorch's own
+    mixed precision (matmuls and the interaction's bmm with bfloat16 operands, float32 weights,
+    gradients and SGD), the like-for-like baseline of ``dlrm``'s ``precision="bf16"``.
+    """
+
+    def __init__(self, model: TorchDLRM, lr: float, bf16: bool = False):
         self.model = model
         self.opt = torch.optim.SGD(model.parameters(), lr=lr)
         self.loss_fn = nn.BCEWithLogitsLoss()
+        self.bf16 = bf16
+
+    def _logits(self, dense, idx, offs) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+            return self.model(dense, idx, offs).float()
 
     @staticmethod
     def convert(batch) -> tuple:
@@ -115,7 +125,7 @@ class TorchTrainer:
     def step(self, tb) -> float:
         dense, idx, offs, y = tb
         self.opt.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.model(dense, idx, offs), y)
+        loss = self.loss_fn(self._logits(dense, idx, offs), y)
         loss.backward()
         self.opt.step()
         return float(loss.detach())
