@@ -125,12 +125,12 @@ def make_plan(table: EmbeddingTable, bags: Bags) -> UpdatePlan:
     it is valid until the next ``make_plan`` on the same thread (copy what must outlive that).
     """
     L = bags.indices.size
-    need_coef = bags.weights.size > 0 or bags.mean
     ws = workspace()
-    uniq, starts = ws.get("uniq", (L,), np.int64), ws.get("starts", (L + 1,), np.int64)
-    ent_bag, ent_coef = ws.get("bag", (L,), np.int32), ws.get("coef", (L if need_coef else 0,), np.float32)
     nvec = table.nvectors()
     if not sortable(nvec, L):
+        need_coef = bags.weights.size > 0 or bags.mean
+        uniq, starts = ws.get("uniq", (L,), np.int64), ws.get("starts", (L + 1,), np.int64)
+        ent_bag, ent_coef = ws.get("bag", (L,), np.int32), ws.get("coef", (L if need_coef else 0,), np.float32)
         n = reindex_into(bags.indices, bag_offsets(bags), bags.weights, bags.mean, scratch_for(table),
                          uniq, np.empty(L, np.int64), starts, ent_bag, ent_coef)
         return UpdatePlan(uniq[:n], starts[: n + 1], ent_bag, ent_coef)

@@ -27,7 +27,8 @@ from numba.extending import overload
 
 from .codecs import load
 from .intrinsics import stack_f32
-from .rowaccess import U, accumulator, featuresize, hit_of, out_ptr, out_row, prefetch_ahead, record_hits, row_of, row_ptr
+from .rowaccess import (accumulator, featuresize, hit_of, out_ptr, out_row, prefetch_ahead, record_hits, row_of,
+                        row_ptr, uidx)
 from .simd import vadd4, vcopy, vfma, vscale_store, vzero
 
 
@@ -113,8 +114,8 @@ def gather_chunk_simd(spec, out, base, cache, slots, codec, idx, i0, i1, dist):
     hits = 0
     for i in range(i0, i1):
         prefetch_ahead(base, cache, slots, idx, i, dist, i1, nbytes)
-        hits += hit_of(slots, idx[U(i)])
-        vcopy(spec, out_ptr(out, i), row_ptr(base, cache, slots, idx[U(i)]))
+        hits += hit_of(slots, idx[uidx(i)])
+        vcopy(spec, out_ptr(out, i), row_ptr(base, cache, slots, idx[uidx(i)]))
     record_hits(base, slots, hits)
 
 
@@ -129,29 +130,29 @@ def pooled_chunk_simd(spec, out, base, cache, slots, codec, idx, offsets, weight
     acc = stack_f32(spec)
     hits = 0
     for b in range(b0, b1):
-        s = offsets[U(b)]
-        e = offsets[U(b + 1)]
+        s = offsets[uidx(b)]
+        e = offsets[uidx(b + 1)]
         vzero(spec, acc)
         j = s
         if has_w:
             while j < e:
                 prefetch_ahead(base, cache, slots, idx, j, dist, pend, nbytes)
-                hits += hit_of(slots, idx[U(j)])
-                vfma(spec, acc, row_ptr(base, cache, slots, idx[U(j)]), weights[U(j)])
+                hits += hit_of(slots, idx[uidx(j)])
+                vfma(spec, acc, row_ptr(base, cache, slots, idx[uidx(j)]), weights[uidx(j)])
                 j += 1
         else:
             while j + 4 <= e:
                 for q in range(4):
                     prefetch_ahead(base, cache, slots, idx, j + q, dist, pend, nbytes)
-                hits += (hit_of(slots, idx[U(j)]) + hit_of(slots, idx[U(j + 1)])) + (
-                    hit_of(slots, idx[U(j + 2)]) + hit_of(slots, idx[U(j + 3)]))
-                vadd4(spec, acc, row_ptr(base, cache, slots, idx[U(j)]), row_ptr(base, cache, slots, idx[U(j + 1)]),
-                      row_ptr(base, cache, slots, idx[U(j + 2)]), row_ptr(base, cache, slots, idx[U(j + 3)]))
+                hits += (hit_of(slots, idx[uidx(j)]) + hit_of(slots, idx[uidx(j + 1)])) + (
+                    hit_of(slots, idx[uidx(j + 2)]) + hit_of(slots, idx[uidx(j + 3)]))
+                vadd4(spec, acc, row_ptr(base, cache, slots, idx[uidx(j)]), row_ptr(base, cache, slots, idx[uidx(j + 1)]),
+                      row_ptr(base, cache, slots, idx[uidx(j + 2)]), row_ptr(base, cache, slots, idx[uidx(j + 3)]))
                 j += 4
             while j < e:
                 prefetch_ahead(base, cache, slots, idx, j, dist, pend, nbytes)
-                hits += hit_of(slots, idx[U(j)])
-                vfma(spec, acc, row_ptr(base, cache, slots, idx[U(j)]), one)
+                hits += hit_of(slots, idx[uidx(j)])
+                vfma(spec, acc, row_ptr(base, cache, slots, idx[uidx(j)]), one)
                 j += 1
         scale = one
         if mean and e > s:

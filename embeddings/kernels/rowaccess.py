@@ -44,7 +44,7 @@ def spec_for(featuresize: int) -> tuple:
 
 
 @njit(cache=True, inline="always")
-def U(i):
+def uidx(i):
     """``i`` as an unsigned index: numba then skips the negative-index wraparound (a sign test
     and an add per access) in the hot loops; only for indices known to be non-negative."""
     return np.uint64(i)
@@ -83,7 +83,7 @@ def _row_address(base, cache, slots, r):
         return lambda base, cache, slots, r: base.ctypes.data + r * base.strides[0]
 
     def impl(base, cache, slots, r):
-        s = slots[U(r)]
+        s = slots[uidx(r)]
         if s & 1:
             return cache.ctypes.data + (s >> 2) * cache.strides[0]
         return base.ctypes.data + r * base.strides[0]
@@ -131,7 +131,7 @@ def _prefetch_slot(slots, idx, k, end):
 
     def impl(slots, idx, k, end):
         if k < end:
-            prefetch(slots.ctypes.data + idx[U(k)] * slots.itemsize)
+            prefetch(slots.ctypes.data + idx[uidx(k)] * slots.itemsize)
 
     return impl
 
@@ -142,7 +142,7 @@ def prefetch_ahead(base, cache, slots, idx, j, dist, end, nbytes):
     the row prefetch must read the entry, so the entry is fetched one distance earlier still."""
     jp = j + dist
     if jp < end:
-        prefetch_row(base, cache, slots, idx[U(jp)], nbytes)
+        prefetch_row(base, cache, slots, idx[uidx(jp)], nbytes)
         prefetch_slot(slots, idx, jp + dist, end)
 
 
@@ -175,7 +175,7 @@ def _hit_of(slots, r):
         return lambda slots, r: 0
 
     def impl(slots, r):
-        return slots[U(r)] & 1
+        return slots[uidx(r)] & 1
 
     return impl
 

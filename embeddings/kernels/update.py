@@ -22,7 +22,7 @@ from .codecs import load, store
 from .intrinsics import prefetch, stack_f32
 from .lookup import _simd, nchunks_for
 from .reindex import reindex_part
-from .rowaccess import U, accumulator, featuresize, out_ptr, out_row, prefetch_row, prefetch_slot, row_of, row_ptr
+from .rowaccess import accumulator, featuresize, out_ptr, out_row, prefetch_row, prefetch_slot, row_of, row_ptr, uidx
 from .simd import vcopy, vfma, vzero
 
 SGD = 0
@@ -33,10 +33,10 @@ GRADIENT = 2
 @njit(cache=True, inline="always")
 def _prefetch_grad(grad, ent_bag, starts, u, gbytes):
     """Prefetch the gradient rows of unique row ``u`` (at most two: the common cases)."""
-    q0 = starts[U(u)]
-    q1 = min(starts[U(u + 1)], q0 + 2)
+    q0 = starts[uidx(u)]
+    q1 = min(starts[uidx(u + 1)], q0 + 2)
     for q in range(q0, q1):
-        a = grad.ctypes.data + ent_bag[U(q)] * grad.strides[0]
+        a = grad.ctypes.data + ent_bag[uidx(q)] * grad.strides[0]
         off = 0
         while off < gbytes:
             prefetch(a + off)
@@ -102,13 +102,13 @@ def update_chunk_simd(spec, base, cache, slots, codec, grad, uniq, starts, ent_b
     accv = carray(acc, F)
     for u in range(u0, u1):
         if u + dist < u1:
-            prefetch_row(base, cache, slots, uniq[U(u + dist)], nbytes)
+            prefetch_row(base, cache, slots, uniq[uidx(u + dist)], nbytes)
             prefetch_slot(slots, uniq, u + 2 * dist, u1)
             _prefetch_grad(grad, ent_bag, starts, u + dist, gbytes)
         vzero(spec, acc)
-        for q in range(starts[U(u)], starts[U(u + 1)]):
-            vfma(spec, acc, out_ptr(grad, ent_bag[U(q)]), ent_coef[U(q)] if has_coef else one)
-        r = uniq[U(u)]
+        for q in range(starts[uidx(u)], starts[uidx(u + 1)]):
+            vfma(spec, acc, out_ptr(grad, ent_bag[uidx(q)]), ent_coef[uidx(q)] if has_coef else one)
+        r = uniq[uidx(u)]
         if opt == GRADIENT:
             vcopy(spec, out_ptr(gout, u), acc)
             continue
@@ -117,8 +117,8 @@ def update_chunk_simd(spec, base, cache, slots, codec, grad, uniq, starts, ent_b
             g2 = np.float32(0.0)
             for k in range(F):
                 g2 += accv[k] * accv[k]
-            st = state[U(r)] + g2 / np.float32(F)
-            state[U(r)] = st
+            st = state[uidx(r)] + g2 / np.float32(F)
+            state[uidx(r)] = st
             mult = lr32 / (np.sqrt(st) + np.float32(eps))
         vfma(spec, row_ptr(base, cache, slots, r), acc, -mult)
 
