@@ -11,6 +11,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from cachedarrays import DRAM, PM, Manager, OutOfMemoryError, PinnedError, UseAfterFreeError
 
+pytestmark = pytest.mark.usefixtures("young_gc")  # gc.collect() in these tests scans only their objects
+
 
 def new(m, device, data: bytes):
     r = m.allocate(m.devices[device.name], len(data))

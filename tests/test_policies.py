@@ -13,6 +13,8 @@ import cachedarrays as ca
 from cachedarrays import (DRAM, PM, CachedArray, InvariantError, LRUPolicy, Manager, OutOfMemoryError, PinnedError,
                           TwoLevelCachePolicy, UseAfterFreeError, readable, writable)
 
+pytestmark = pytest.mark.usefixtures("young_gc")  # gc.collect() in these tests scans only their objects
+
 
 def readme_policy():
     text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
