@@ -94,13 +94,7 @@ def vadd4(typingctx, spec, acc, p0, p1, p2, p3):
     return types.void(spec, acc, p0, p1, p2, p3), codegen
 
 
-@intrinsic
-def vfma(typingctx, spec, acc, p, w):
-    """acc[:F] += w * p."""
-    if not (_is_spec(spec) and _is_fptr(acc) and _is_fptr(p) and w == types.float32):
-        return None
-    vw, n = _width(spec)
-
+def _fma_codegen(vw, n):
     def codegen(context, builder, sig, args):
         a, q, x = args[1:]
         ws = _splat(builder, x, vw)
@@ -109,7 +103,29 @@ def vfma(typingctx, spec, acc, p, w):
             builder.store(v, _vptr(builder, a, i, vw), align=4)
         return context.get_dummy_value()
 
-    return types.void(spec, acc, p, w), codegen
+    return codegen
+
+
+def _fma_ok(spec, acc, p, w):
+    return _is_spec(spec) and _is_fptr(acc) and _is_fptr(p) and w == types.float32
+
+
+@intrinsic
+def vfma(typingctx, spec, acc, p, w):
+    """acc[:F] += w * p, in the accumulating width of :func:`_width` (``p``: a table row)."""
+    if not _fma_ok(spec, acc, p, w):
+        return None
+    return types.void(spec, acc, p, w), _fma_codegen(*_width(spec))
+
+
+@intrinsic
+def vfma8(typingctx, spec, acc, p, w):
+    """acc[:F] += w * p in 8-wide vectors, for rows that may sit off a cache line (gradient rows
+    of a numpy array) and for the update's read-modify-write of a table row: 16-wide, the fused
+    F=256 update ran 15-30% slower."""
+    if not _fma_ok(spec, acc, p, w):
+        return None
+    return types.void(spec, acc, p, w), _fma_codegen(8, len(spec))
 
 
 @intrinsic

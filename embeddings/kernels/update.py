@@ -23,7 +23,7 @@ from .intrinsics import prefetch, stack_f32
 from .lookup import _simd, nchunks_for
 from .reindex import reindex_part
 from .rowaccess import accumulator, featuresize, out_ptr, out_row, prefetch_row, prefetch_slot, row_of, row_ptr, uidx
-from .simd import vcopy, vfma, vzero
+from .simd import vcopy, vfma8, vzero
 
 SGD = 0
 ADAGRAD = 1
@@ -107,7 +107,7 @@ def update_chunk_simd(spec, base, cache, slots, codec, grad, uniq, starts, ent_b
             _prefetch_grad(grad, ent_bag, starts, u + dist, gbytes)
         vzero(spec, acc)
         for q in range(starts[uidx(u)], starts[uidx(u + 1)]):
-            vfma(spec, acc, out_ptr(grad, ent_bag[uidx(q)]), ent_coef[uidx(q)] if has_coef else one)
+            vfma8(spec, acc, out_ptr(grad, ent_bag[uidx(q)]), ent_coef[uidx(q)] if has_coef else one)
         r = uniq[uidx(u)]
         if opt == GRADIENT:
             vcopy(spec, out_ptr(gout, u), acc)
@@ -120,7 +120,7 @@ def update_chunk_simd(spec, base, cache, slots, codec, grad, uniq, starts, ent_b
             st = state[uidx(r)] + g2 / np.float32(F)
             state[uidx(r)] = st
             mult = lr32 / (np.sqrt(st) + np.float32(eps))
-        vfma(spec, row_ptr(base, cache, slots, r), acc, -mult)
+        vfma8(spec, row_ptr(base, cache, slots, r), acc, -mult)
 
 
 def update_chunk_any(spec, base, cache, slots, codec, grad, uniq, starts, ent_bag, ent_coef,
