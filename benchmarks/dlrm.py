@@ -19,17 +19,17 @@ What it measures, and how:
    accumulation and weights (``--dense-precision bf16``; the dissertation's comparison in section
    5.5.2 used bf16 MLPs too). Targets: ours/torch >= 1.5 on (a) and >= 2 on (b), against the f32
    torch baseline. For a like-for-like view of bf16, torch also runs under bf16 autocast (its own
-   mixed precision) in the same rounds; that table is information, not a target.
+   mixed precision) in the same rounds; that table is information, not a target. The torch step
+   is also timed without its embedding work (pooled embeddings precomputed, in the same rounds),
+   which splits both implementations into embedding work and dense work.
 2. Loss curves: both models from the same initial weights on the same planted data (synthetic,
    labels drawn from a hidden teacher, Zipf indices), 200 steps of the Kaggle architecture with
    tables capped at 100k rows, batch 1024, lr 0.1, ours in f32 and in bf16. Target: the 20-step
    moving averages differ by less than 0.01 everywhere (for f32, summation order is the only
    difference; bf16 rounds the matmul operands).
-   The torch step is also timed without its embedding work (pooled embeddings precomputed, in the
-   same rounds), which splits both implementations into embedding work and dense work.
 3. Policies on (b) with Zipf(1) indices, all built side by side and run in alternating rounds:
-   samples/s and the time per phase (lookup, dense
-   forward+backward, embedding update, dense update, cache flush) for ``dram``, ``simple``
+   samples/s and the time per phase (lookup, dense forward+backward, embedding update, dense
+   update, cache flush) for ``dram``, ``simple``
    (tables in PM) and, when ``embeddings.cached.CachedEmbeddings`` exists, ``static`` and
    ``dynamic`` with 10% of each table cacheable (static: the hot set of 4 other batches; dynamic:
    after 6 untimed steps), as in the dissertation's Figure 5.12. The PM
