@@ -12,8 +12,9 @@ Kaggle: 13-512-256-64-16 / 367-512-256-1     0.18 s      0.48 s
 
 and the Kaggle-shape matmuls alone (forward and both backward products): numpy 230 ms, jitted
 JAX 164 ms. A single 2048x1024x1024 sgemm runs at about the same rate in numpy (OpenBLAS), JAX
-and PyTorch (MKL) here (46, 43 and 48 GFLOP/s in one loaded run), so against PyTorch the dense
-part is at parity (0.8-1.1x in ``benchmarks/dlrm.py``): the gains come from the embedding work.
+and PyTorch here (202, 207 and 197 GFLOP/s on a quiet machine; JAX's transposed forms of the
+backward 183-213), so against PyTorch the dense part is at parity (0.9-1.1x in
+``benchmarks/dlrm.py``): the gains come from the embedding work.
 XLA fuses the bias, ReLU and masks into the matmuls and runs the batched ``(T+1) x F`` interaction
 products far better than numpy's per-matrix loop, so the whole dense forward and backward is one
 jitted function (:func:`make_grad_step`); the SGD update of the dense weights is a second small
