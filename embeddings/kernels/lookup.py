@@ -146,8 +146,10 @@ def pooled_chunk_simd(spec, out, base, cache, slots, codec, idx, offsets, weight
                     prefetch_ahead(base, cache, slots, idx, j + q, dist, pend, nbytes)
                 hits += (hit_of(slots, idx[uidx(j)]) + hit_of(slots, idx[uidx(j + 1)])) + (
                     hit_of(slots, idx[uidx(j + 2)]) + hit_of(slots, idx[uidx(j + 3)]))
-                vadd4(spec, acc, row_ptr(base, cache, slots, idx[uidx(j)]), row_ptr(base, cache, slots, idx[uidx(j + 1)]),
-                      row_ptr(base, cache, slots, idx[uidx(j + 2)]), row_ptr(base, cache, slots, idx[uidx(j + 3)]))
+                vadd4(spec, acc, row_ptr(base, cache, slots, idx[uidx(j)]),
+                      row_ptr(base, cache, slots, idx[uidx(j + 1)]),
+                      row_ptr(base, cache, slots, idx[uidx(j + 2)]),
+                      row_ptr(base, cache, slots, idx[uidx(j + 3)]))
                 j += 4
             while j < e:
                 prefetch_ahead(base, cache, slots, idx, j, dist, pend, nbytes)

@@ -15,7 +15,6 @@ from numba import types
 from numba.extending import intrinsic
 
 _f = ir.FloatType()
-_v8 = ir.VectorType(_f, 8)
 
 
 def _is_spec(spec):
@@ -41,7 +40,8 @@ def _splat(builder, x, w=8):
     vt = ir.VectorType(_f, w)
     v = ir.Constant(vt, ir.Undefined)
     v = builder.insert_element(v, x, ir.Constant(ir.IntType(32), 0))
-    return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), w), [0] * w))
+    zeros = ir.Constant(ir.VectorType(ir.IntType(32), w), [0] * w)
+    return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), zeros)
 
 
 def _width(spec):
