@@ -54,6 +54,13 @@ def entries(uniq, starts, bag, coef):
             for u, r in enumerate(uniq)}
 
 
+def _case(batch):
+    """The dense map's plan of ``batch`` and the sizes a radix plan of it needs:
+    ``(reference plan, L, need_coef, npass, dbits)``."""
+    N, idx, offsets, weights, mean = batch
+    return (reference(N, idx, offsets, weights, mean), idx.size, weights is not None or mean) + sort_params(N)
+
+
 def test_sort_params_cover_the_row_bits():
     assert sort_params(1) == (0, 0) and sort_params(2) == (1, 1)
     assert sort_params(1_000_000) == (2, 10) and sort_params(2048) == (1, 11) and sort_params(2049) == (2, 6)
@@ -66,10 +73,7 @@ def test_sort_params_cover_the_row_bits():
 @given(batches(), st.booleans())
 def test_serial_radix_plan_matches_dense_map(batch, first_use):
     N, idx, offsets, weights, mean = batch
-    U, uniq, starts, bag, coef = reference(N, idx, offsets, weights, mean)
-    L = idx.size
-    need = weights is not None or mean
-    npass, dbits = sort_params(N)
+    (U, uniq, starts, bag, coef), L, need, npass, dbits = _case(batch)
     head = np.full(L, -1, np.int64)
     o_uniq, _, o_starts, o_bag, o_coef = plan_arrays(L, need)
     by_pos = first_use or weights is not None
@@ -92,10 +96,7 @@ def test_serial_radix_plan_matches_dense_map(batch, first_use):
 @given(batches(), st.integers(1, 5))
 def test_partitioned_plans_split_rows_by_owner(batch, P):
     N, idx, offsets, weights, mean = batch
-    U, uniq, starts, bag, coef = reference(N, idx, offsets, weights, mean)
-    L = idx.size
-    need = weights is not None or mean
-    npass, dbits = sort_params(N)
+    (U, uniq, starts, bag, coef), L, need, npass, dbits = _case(batch)
     rb = row_bits(N)
     w = np.empty(0, np.float32) if weights is None else weights
     bagpos, coefpos = np.full(L if weights is not None else 0, -7, np.int32), np.empty(L if weights is not None else 0, np.float32)
