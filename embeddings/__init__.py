@@ -29,8 +29,8 @@ Plugging in
   context manager held for the duration of each kernel call), which pins a CachedArray with
   ``cachedarrays.readable`` / ``writable`` while a kernel runs.
 * Cached tables (``embeddings.cached.CachedEmbeddings``, section 5.4): ``rows()`` returns a
-  ``RowSource`` whose ``slots`` is the int64 pointer table (low bit set: the row lives in
-  ``cache[slots[r] >> 2]``), after running ``access_and_cache`` on the given indices in
+  ``RowSource`` whose ``slots`` is the int64 pointer table (``slots[r] >> 2`` is the address of
+  the row's copy; low bit set: that copy is in ``cache``), after running ``access_and_cache`` on the given indices in
   ``rows(Forward, indices)``. Every kernel (lookup,
   update, ensemble) then reads and writes rows through that indirection; see
   :mod:`embeddings.kernels.rowaccess`.

@@ -1,8 +1,8 @@
 """`CachedEmbeddings`: a software cache of hot rows in the fast device over a table in the slow device.
 
 The dissertation's section 5.4.  The base table is a CachedArray in the slow device (PM).  A
-pointer table (one int64 per row, low bits = cached flag and lock bit) says where each row's
-primary copy is; rows move into a ring of cache pages in the fast device (DRAM) when a lookup
+pointer table (one int64 per row: the address of the row's primary copy, with the low bits
+used as cached flag and lock bit) says where each row is; rows move into a ring of cache pages in the fast device (DRAM) when a lookup
 touches them (`access_and_cache`, the Forward context) and are written back a page at a time,
 oldest first (`flush_dirty`).  Updates write to wherever the row currently lives.  The cache
 pages, the pointer table and the back-edges are CachedArrays allocated in the fast device
@@ -37,6 +37,7 @@ from cachedarrays import CachedArray, Manager, evict, unsafe_free, writable
 from cachedarrays.errors import InvariantError
 
 from .kernels import cache as K
+from .kernels.rowaccess import entries
 from .protocol import Context, EmbeddingTable, Forward, RowSource
 from .simple import _codec_for, _storage
 
@@ -114,7 +115,7 @@ class CachedEmbeddings(EmbeddingTable):
         self._cache = self._fast((ring, featuresize), storage_dtype)
         # The pointer table plus one entry: ``_slots[nvectors]`` counts the cached rows the lookup
         # kernels read (see ``rowaccess.record_hits``), so hits need no pass of their own.
-        self._slots = self._fast(np.append(np.arange(nvectors, dtype=np.int64) << 2, 0))
+        self._slots = self._fast(np.append(entries(self._base, np.arange(nvectors)), 0))
         self._ptr = self._slots[:nvectors]
         self._backedge = self._fast(np.full(ring, -1, np.int64))
         self._ref = self._fast(np.zeros(ring, np.uint8))
@@ -352,14 +353,18 @@ class CachedEmbeddings(EmbeddingTable):
             raise InvariantError(f"{name}: {head - tail} cached rows, limit {limit} (cachelower + cacheslack), ring {ring}")
         cached = np.flatnonzero(ptr & K.CACHED)
         uncached = np.flatnonzero((ptr & K.CACHED) == 0)
-        if np.any(ptr[uncached] != uncached << 2):
-            bad = uncached[ptr[uncached] != uncached << 2][:5]
+        home = entries(self._base, uncached)
+        if np.any(ptr[uncached] != home):
+            bad = uncached[ptr[uncached] != home][:5]
             raise InvariantError(f"{name}: uncached rows {bad} do not point at their base rows")
-        slots = ptr[cached] >> 2
+        offset = (ptr[cached] >> 2) - self._cache.ctypes.data
+        slots = offset // self._cache.strides[0]
+        inside = (offset % self._cache.strides[0] == 0) & (slots >= 0) & (slots < ring)
         live = np.zeros(ring, bool)
         live[np.arange(tail, head) % ring] = True
-        if np.any(slots >= ring) or not np.all(live[slots]):
-            raise InvariantError(f"{name}: cached rows {cached[~live[np.minimum(slots, ring - 1)]][:5]} point outside the live pages")
+        if not np.all(inside) or not np.all(live[slots]):
+            bad = cached[~(inside & live[np.clip(slots, 0, ring - 1)])][:5]
+            raise InvariantError(f"{name}: cached rows {bad} point outside the live cache pages")
         if np.any(back[slots] != cached):
             raise InvariantError(f"{name}: back-edges of rows {cached[back[slots] != cached][:5]} disagree")
         if cached.size != head - tail or np.any(back[~live] != -1):

@@ -17,7 +17,7 @@ from . import config
 from .batch import Bags, make_bags
 from .kernels import ensemble as K
 from .kernels.reindex import plan_arrays, reindex_many, reindex_sort_many, sortable
-from .kernels.rowaccess import spec_for
+from .kernels.rowaccess import entries, spec_for
 from .lookup import prefetch_distance, run_lookup
 from .optim import SGD, Optimizer, RowwiseAdagrad
 from .protocol import FORWARD, UPDATE, EmbeddingTable, RowSource
@@ -196,8 +196,25 @@ def _tuples(srcs: list[RowSource]):
     if all(s.slots is None for s in srcs):
         return bases, None, None
     caches = tuple(s.cache if s.slots is not None else s.base[:1] for s in srcs)
-    slotss = tuple(s.slots if s.slots is not None else np.zeros(s.base.shape[0], np.int64) for s in srcs)
+    slotss = tuple(s.slots if s.slots is not None else _home_entries(s.base) for s in srcs)
     return bases, caches, slotss
+
+
+_homes: dict[tuple[int, int, int], np.ndarray] = {}
+_MAX_HOMES = 64
+
+
+def _home_entries(base: np.ndarray) -> np.ndarray:
+    """A pointer table with every row of ``base`` uncached (its own address), for a plain table in
+    an ensemble with caching ones; kept for the next call while ``base`` stays where it is (at most
+    ``_MAX_HOMES`` of them: 8 bytes per row each)."""
+    key = (base.ctypes.data, base.shape[0], base.strides[0])
+    table = _homes.get(key)
+    if table is None:
+        if len(_homes) >= _MAX_HOMES:
+            _homes.clear()
+        table = _homes[key] = entries(base, np.arange(base.shape[0]))
+    return table
 
 
 def _same_dtype(idxs: list[np.ndarray]) -> tuple[np.ndarray, ...]:

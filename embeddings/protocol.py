@@ -11,8 +11,9 @@ change where rows live without touching them:
   Forward context before the kernels run; ``SimpleEmbedding`` ignores them.
 
 How a cached table plugs in: subclass :class:`EmbeddingTable`, keep the full table as ``base``,
-hold an int64 pointer table ``slots`` (one entry per row; low bit set = cached at
-``cache[entry >> 2]``) and a ``cache`` storage array of the same dtype, and return
+hold an int64 pointer table ``slots`` (one entry per row: the address of the row's copy, shifted
+left by two; low bit set = the copy is in ``cache``) and a ``cache`` storage array of the same
+dtype, and return
 ``RowSource(base, cache, slots, codec)`` from ``rows`` (``embeddings.cached.CachedEmbeddings``). The kernels
 (``embeddings.kernels``) then resolve every row through ``slots`` (see
 ``embeddings.kernels.rowaccess``) for lookups and updates alike.

@@ -304,3 +304,54 @@ def test_simple_embedding_over_a_cachedarray_pins_it_per_kernel_and_keeps_update
     np.testing.assert_array_equal(lookup(t, np.array([3, 5]))[:, 0], [0.5, 1.0])
     ca.evict(x)  # the policy may move it between kernel calls
     np.testing.assert_array_equal(lookup(t, np.array([4]))[0], np.full(8, 0.5, np.float32))
+
+
+def test_pointer_table_holds_row_addresses_and_check_finds_every_corruption():
+    from cachedarrays.errors import InvariantError
+    m = manager()
+    t = CachedEmbeddings(np.arange(400, dtype=np.float32).reshape(100, 4), m, policy="static", cache_rows=10,
+                         hot=np.arange(10, 20), name="emb")
+    t.check()
+    ptr, rowbytes = t._ptr, 16
+    assert ptr[0] >> 2 == t._base.ctypes.data and not ptr[0] & 1  # uncached: its own base row
+    assert ptr[15] & 1 and (ptr[15] >> 2) - t._cache.ctypes.data == 5 * rowbytes  # sixth row cached
+    good = ptr.copy()
+    corruptions = {
+        "uncached row points at a neighbour": (3, good[4]),
+        "cached row points between cache rows": (12, good[12] + (4 << 2)),
+        "cached row points at a free slot": (12, ((t._cache.ctypes.data + 11 * rowbytes) << 2) | 1),
+        "two rows share a slot (back-edge disagrees)": (13, good[14]),
+        "row left locked": (7, good[7] | 2),
+    }
+    for what, (row, value) in corruptions.items():
+        ptr[row] = value
+        with pytest.raises(InvariantError, match="emb"):
+            t.check()
+        ptr[:] = good
+        t.check()
+    t.close()
+
+
+def test_ensemble_of_plain_and_cached_tables_agrees_with_table_by_table_calls():
+    m = manager()
+    rng = np.random.default_rng(5)
+    datas = [rng.standard_normal((500, 16)).astype(np.float32) for _ in range(3)]
+    mixed = Ensemble([SimpleEmbedding(datas[0].copy()), CachedEmbeddings(datas[1].copy(), m, cache_rows=60),
+                      SimpleEmbedding(datas[2].copy())])
+    refs = [SimpleEmbedding(d.copy()) for d in datas]
+    for it in range(4):
+        idx = [rng.integers(0, 500, size=(64, 3)) for _ in range(3)]
+        out = mixed.lookup(idx, mode="sum")
+        for i, r in enumerate(refs):
+            np.testing.assert_allclose(out[:, i, :], lookup(r, idx[i], mode="sum"), rtol=1e-6, atol=1e-6)
+        g = rng.standard_normal(out.shape).astype(np.float32)
+        mixed.pullback(g, idx, mode="sum", optimizer=SGD(0.1))
+        for i, r in enumerate(refs):
+            pullback(r, g[:, i, :], idx[i], mode="sum", optimizer=SGD(0.1))
+    for t, r in zip(mixed.tables, refs):
+        np.testing.assert_allclose(lookup(t, np.arange(500)), r.data, rtol=1e-5, atol=1e-6)
+    cached = mixed.tables[1]
+    cached.check()
+    cached.flush_dirty(0)
+    with ca.readable(cached.base_array) as have:
+        np.testing.assert_allclose(np.asarray(have), refs[1].data, rtol=1e-5, atol=1e-6)

@@ -2,8 +2,9 @@
 
 State shared by all threads of a kernel:
 
-* ``ptr``  – the pointer table (see ``rowaccess``): ``r << 2`` while row ``r`` lives in the base
-  table, ``(slot << 2) | CACHED`` once cached; ``LOCKED`` is set while a thread moves the row.
+* ``ptr``  – the pointer table (see ``rowaccess``): ``entry_of(base, r)`` while row ``r`` lives in
+  the base table, ``entry_of(cache, slot) | CACHED`` once cached; ``LOCKED`` is set while a thread
+  moves the row.
 * ``backedge`` – per cache slot, the row it holds, or -1.
 * ``ref`` – per cache slot, a small saturating count of hits since the row was cached or last
   spared by a flush (second chance, see `flush_page`).
@@ -30,6 +31,7 @@ from numba import njit, prange
 
 from .atomics import cas, exchange, fetch_add
 from .intrinsics import prefetch
+from .rowaccess import entry_of, slot_of
 
 CACHED = 1
 LOCKED = 2
@@ -81,7 +83,7 @@ def _cache_chunk(base, cache, ptr, backedge, ref, freq, state, idx, i0, i1, tail
                 freq[r] = f
         if e & CACHED:
             hits += 1
-            s = e >> 2
+            s = slot_of(cache, e)
             if ref[s] < MAX_REF:
                 ref[s] += 1
             continue
@@ -101,7 +103,7 @@ def _cache_chunk(base, cache, ptr, backedge, ref, freq, state, idx, i0, i1, tail
             dst[j] = src[j]
         backedge[slot] = r
         ref[slot] = 0
-        exchange(ptr, r, (slot << 2) | CACHED)
+        exchange(ptr, r, entry_of(cache, slot) | CACHED)
         cached += 1
     out[0] = hits
     out[1] = misses
@@ -177,13 +179,13 @@ def flush_page(base, cache, ptr, backedge, ref, state, stop, writeback, second_c
                 backedge[t] = r
                 backedge[s] = -1
             ref[t] = ref[s] - 1
-            ptr[r] = (t << 2) | CACHED
+            ptr[r] = entry_of(cache, t) | CACHED
             continue
         if writeback:
             for j in range(F):
                 base[r, j] = cache[s, j]
             written += 1
-        ptr[r] = r << 2
+        ptr[r] = entry_of(base, r)
         backedge[s] = -1
         ref[s] = 0
     state[HEAD] = head
