@@ -10,3 +10,5 @@ SERIAL_WORK = 1 << 16  # floats touched by a lookup/update: below this, run seri
 SERIAL_CHECK = 1 << 24  # elements validated: below this, check serially (vectorised, one core reads at memory speed)
 PARALLEL_REINDEX_MIN = 1 << 22  # indices: from here pullback reindexes per thread (row ranges) in one region
 FIRST_USE_MAX = 1 << 16  # indices: up to this many, update plans list rows in order of first use
+OWNER_MAX = 1 << 22  # indices: up to this many, SGD on float tables updates owner-computes (no plan; kernels.owner)
+OWNER_SEGMENT = 1 << 20  # indices per owner-computes pass (bounds its per-thread scratch)

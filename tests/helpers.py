@@ -19,3 +19,19 @@ def numba_threads(n):
         yield
     finally:
         config.SERIAL_WORK, config.SERIAL_CHECK, config.PARALLEL_REINDEX_MIN = saved
+
+
+@contextmanager
+def sgd_path(path):
+    """Route SGD pullbacks through ``"owner"`` (owner-computes, no plan: the default),
+    ``"segments"`` (owner-computes a few indices at a time, as for very large batches) or
+    ``"plan"`` (the radix plan and fused kernel that Adagrad and huge batches use)."""
+    saved = config.OWNER_MAX, config.OWNER_SEGMENT
+    if path == "plan":
+        config.OWNER_MAX = -1
+    elif path == "segments":
+        config.OWNER_SEGMENT = 5
+    try:
+        yield
+    finally:
+        config.OWNER_MAX, config.OWNER_SEGMENT = saved

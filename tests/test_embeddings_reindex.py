@@ -11,7 +11,7 @@ import embeddings as E
 from embeddings import config
 from embeddings.kernels.reindex import (owner, plan_arrays, reindex_into, reindex_part, reindex_sort_serial,
                                         row_bits, sort_params)
-from helpers import numba_threads
+from helpers import numba_threads, sgd_path
 
 NVECS = [1, 2, 30, 2048, 2049, (1 << 21) + 5, (1 << 23) + 1]
 
@@ -160,24 +160,25 @@ def test_parallel_path_is_taken_for_large_batches_and_matches_serial(monkeypatch
     idx = rng.integers(0, 5000, (300, 5))
     g = rng.standard_normal((300, 16)).astype(np.float32)
     a, b = E.SimpleEmbedding(table.copy()), E.SimpleEmbedding(table.copy())
-    with numba_threads(2):
+    with numba_threads(2), sgd_path("plan"):  # small SGD batches would go owner-computes
         E.pullback(a, g, idx, mode="mean", optimizer=E.SGD(0.1))
-    with numba_threads(1):
+    with numba_threads(1), sgd_path("plan"):
         E.pullback(b, g, idx, mode="mean", optimizer=E.SGD(0.1))
     assert calls == [1]
     np.testing.assert_allclose(a.data, b.data, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_cached_table_updates_through_pointer_table_in_both_paths(threads):
-    """CachedEmbeddings rows resolved through ``slots`` by the partitioned and the plan kernels."""
+@pytest.mark.parametrize("threads,path", [(1, "plan"), (2, "plan"), (1, "owner"), (2, "owner")])
+def test_cached_table_updates_through_pointer_table_in_every_path(threads, path):
+    """CachedEmbeddings rows resolved through ``slots`` by the partitioned, the plan and the
+    owner-computes kernels."""
     rng = np.random.default_rng(5)
     N, F = 600, 16
     data = rng.standard_normal((N, F)).astype(np.float32)
     m = ca.Manager(ca.DRAM("32MiB"), ca.PM(None, "64MiB"), policy=ca.LRUPolicy())
     t = E.CachedEmbeddings(data.copy(), m, cache_rows=64, page_rows=4)
     ref = E.SimpleEmbedding(data.copy())
-    with numba_threads(threads):
+    with numba_threads(threads), sgd_path(path):
         for it in range(20):
             idx = rng.integers(0, 80, (40, 4))
             idx[::5] = rng.integers(0, N, idx[::5].shape)
@@ -203,7 +204,7 @@ def test_tables_too_large_for_packed_keys_fall_back_to_the_dense_map(monkeypatch
     idx = rng.integers(0, 40, (30, 4))
     g = rng.standard_normal((30, 8)).astype(np.float32)
     t = E.SimpleEmbedding(table.copy())
-    with numba_threads(threads):
+    with numba_threads(threads), sgd_path("plan"):
         E.pullback(t, g, idx, mode="mean", optimizer=E.SGD(0.5))
         rows, vals = E.sparse_gradient(E.SimpleEmbedding(table), g, idx, mode="mean")
     G = np.zeros((40, 8))

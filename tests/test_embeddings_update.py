@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import embeddings as E
-from helpers import numba_threads
+from helpers import numba_threads, sgd_path
 
 jax.config.update("jax_platforms", "cpu")
 
@@ -43,14 +43,19 @@ def cases(draw):
     return table, idx, offsets, grad, weights, draw(st.sampled_from([1, 2]))
 
 
-@settings(max_examples=40, deadline=None)
-@given(cases(), st.sampled_from(["sum", "mean"]), st.booleans())
-def test_sgd_matches_numpy(case, mode, weighted):
+@settings(max_examples=60, deadline=None)
+@given(cases(), st.sampled_from(["sum", "mean", "rows"]), st.booleans(), st.sampled_from(["owner", "segments", "plan"]))
+def test_sgd_matches_numpy(case, mode, weighted, path):
     table, idx, offsets, grad, weights, threads = case
-    with numba_threads(threads):
+    with numba_threads(threads), sgd_path(path):
         w = weights if weighted else None
         t = E.SimpleEmbedding(table.copy())
-        E.pullback(t, grad, idx, offsets, mode=mode, weights=w, optimizer=E.SGD(0.25))
+        if mode == "rows":  # non-reducing lookup: one gradient row per index
+            w, offsets = None, np.arange(idx.size + 1)
+            grad = np.resize(grad, (idx.size, table.shape[1])).astype(np.float32)
+            E.pullback(t, grad, idx, optimizer=E.SGD(0.25))
+        else:
+            E.pullback(t, grad, idx, offsets, mode=mode, weights=w, optimizer=E.SGD(0.25))
         want = table - 0.25 * dense_grad(len(table), idx, offsets, grad, w, mode == "mean")
         np.testing.assert_allclose(t.data, want, rtol=1e-5, atol=1e-5)
 
@@ -156,3 +161,13 @@ def test_reindexing_leaves_no_state_behind():
     assert np.array_equal(t.data[:, 0], want)
     from embeddings.pullback import scratch_for
     assert (scratch_for(t) == -1).all()
+
+
+@given(st.lists(st.integers(0, 9), max_size=30), st.integers(1, 12))
+def test_owner_segments_cover_every_bag_once_in_order(sizes, most):
+    from embeddings.pullback import owner_segments
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    segments = owner_segments(offsets, most)
+    assert [b for b0, b1 in segments for b in range(b0, b1)] == list(range(len(sizes)))
+    for b0, b1 in segments:
+        assert b1 > b0 and (offsets[b1] - offsets[b0] <= most or b1 == b0 + 1)
