@@ -16,9 +16,9 @@ once); and so do ensembles, whose plans are built in parallel across tables (DLR
 8 tables x 204,800 indices: owner-computes table by table 43 ms against 47 ms uniform, 28 against
 27 ms Zipf: not worth a second ensemble path).
 
-The apply loops compute the per-position weight inline under ``error_model="numpy"``: a helper
-taking the arrays, with Python's division-by-zero check, kept an ``NRT_incref``/``decref`` pair per
-position in the loop and ran 4.5x slower (L2-resident F=16 rows).
+The per-position step (:func:`_scaled`) takes scalars and runs under ``error_model="numpy"``: a
+helper taking the arrays, with Python's division-by-zero check, kept an ``NRT_incref``/``decref``
+pair per position in the loop and ran 4.5x slower (L2-resident F=16 rows).
 """
 
 from __future__ import annotations
@@ -54,12 +54,23 @@ def collect(idx, offsets, b0, b1, t, m, pos, bag):
     return n
 
 
+@njit(cache=True, inline="always", error_model="numpy")
+def _scaled(lr, w, mean, size):
+    """Step of one position: ``lr`` times its weight, over its bag's size for mean pooling (scalars
+    only: see the module docstring)."""
+    c = lr * w
+    if mean:
+        c /= np.float32(size)
+    return c
+
+
 @njit(cache=True, fastmath=True, error_model="numpy")
 def apply_generic(spec, base, cache, slots, codec, grad, idx, offsets, weights, mean, lr, b0, pos, bag, n, dist):
     """``row[idx[q]] -= lr * coef * grad[bag]`` for the ``n`` collected positions (any size)."""
     F = featuresize(spec, base)
     nbytes = F * base.itemsize
     lr32 = np.float32(lr)
+    one = np.float32(1.0)
     has_w = weights.size > 0
     q0 = offsets[uidx(b0)]
     for j in range(n):
@@ -67,11 +78,8 @@ def apply_generic(spec, base, cache, slots, codec, grad, idx, offsets, weights, 
             prefetch_row(base, cache, slots, idx[uidx(q0 + pos[uidx(j + dist)])], nbytes)
         q = q0 + pos[uidx(j)]
         b = b0 + bag[uidx(j)]
-        c = lr32
-        if has_w:
-            c *= weights[uidx(q)]
-        if mean:
-            c /= np.float32(offsets[uidx(b + 1)] - offsets[uidx(b)])
+        c = _scaled(lr32, weights[uidx(q)] if has_w else one, mean,
+                    offsets[uidx(b + 1)] - offsets[uidx(b)] if mean else 1)
         row = row_of(base, cache, slots, idx[uidx(q)], F)
         g = out_row(grad, b, F)
         for k in range(F):
@@ -83,6 +91,7 @@ def apply_simd(spec, base, cache, slots, codec, grad, idx, offsets, weights, mea
     """:func:`apply_generic` for float32 rows of a specialised size (8-wide vector FMAs)."""
     nbytes = 8 * len(spec) * 4
     lr32 = np.float32(lr)
+    one = np.float32(1.0)
     has_w = weights.size > 0
     q0 = offsets[uidx(b0)]
     for j in range(n):
@@ -92,11 +101,8 @@ def apply_simd(spec, base, cache, slots, codec, grad, idx, offsets, weights, mea
             prefetch(grad.ctypes.data + (b0 + bag[uidx(jp)]) * grad.strides[0])
         q = q0 + pos[uidx(j)]
         b = b0 + bag[uidx(j)]
-        c = lr32
-        if has_w:
-            c *= weights[uidx(q)]
-        if mean:
-            c /= np.float32(offsets[uidx(b + 1)] - offsets[uidx(b)])
+        c = _scaled(lr32, weights[uidx(q)] if has_w else one, mean,
+                    offsets[uidx(b + 1)] - offsets[uidx(b)] if mean else 1)
         vfma8(spec, row_ptr(base, cache, slots, idx[uidx(q)]), out_ptr(grad, b), -c)
 
 
