@@ -152,6 +152,21 @@ def test_low_precision_update_rounds_float32_result(dtype, tol):
     assert not np.array_equal(t.data, table)
 
 
+@pytest.mark.parametrize("path", ["owner", "plan"])
+@pytest.mark.parametrize("F", [16, 13])
+def test_float64_tables_update_in_float64(path, F):
+    rng = np.random.default_rng(6)
+    table = rng.standard_normal((40, F))
+    idx = rng.integers(0, 40, (8, 5))
+    g = rng.standard_normal((8, F)).astype(np.float32)
+    t = E.SimpleEmbedding(table.copy())
+    with sgd_path(path):
+        E.pullback(t, g, idx, mode="mean", optimizer=E.SGD(0.5))
+    want = table - 0.5 * dense_grad(40, idx.reshape(-1), np.arange(0, 41, 5), g, mean=True)
+    assert t.data.dtype == np.float64
+    np.testing.assert_allclose(t.data, want, rtol=1e-6, atol=1e-6)
+
+
 def test_reindexing_leaves_no_state_behind():
     t = E.SimpleEmbedding(np.zeros((50, 2), np.float32))
     for _ in range(3):
