@@ -3,15 +3,16 @@
 ``pullback(table, grad, indices, offsets, optimizer=...)`` validates everything first (indices,
 offsets, gradient shape/dtype, finiteness), then reindexes the batch into a CSR of unique rows
 by radix sort (:mod:`embeddings.kernels.reindex`) and runs the fused accumulate-and-apply kernel
-(:mod:`embeddings.kernels.update`) in the ``Update`` context.  Plain SGD on float32/float64
-tables needs no unique rows: batches of up to ``config.OWNER_MAX`` indices are applied
-owner-computes (:mod:`embeddings.kernels.owner`), each thread adding the contributions to the rows
-it owns in batch order: at 16384 single-index bags that halved the update (the plan cost more
-than the update itself), and at 655,360 indices it was 1.4-2x faster than the plan. Batches build one plan on the
+(:mod:`embeddings.kernels.update`) in the ``Update`` context. Batches build one plan on the
 calling thread (~6 ns per index) and update in parallel: one parallel region per call, which on
 a shared machine (where every region may wait for a core) beat reindexing per thread. Only from
 ``config.PARALLEL_REINDEX_MIN`` indices do the threads reindex and update in one region, each
 owning a range of rows.
+
+Plain SGD on float32/float64 tables needs no unique rows: batches of up to ``config.OWNER_MAX``
+indices are applied owner-computes (:mod:`embeddings.kernels.owner`), each thread adding the
+contributions to the rows it owns in batch order. At 16384 single-index bags that halved the
+update (the plan cost more than the update itself); at 655,360 indices it was 1.4-2x faster.
 """
 
 from __future__ import annotations
