@@ -64,32 +64,32 @@ def _scaled(lr, w, mean, size):
     return c
 
 
-@njit(cache=True, fastmath=True, error_model="numpy")
-def apply_generic(spec, base, cache, slots, codec, grad, idx, offsets, weights, mean, lr, b0, pos, bag, n, dist):
-    """``row[idx[q]] -= lr * coef * grad[bag]`` for the ``n`` collected positions (any size)."""
-    F = featuresize(spec, base)
-    nbytes = F * base.itemsize
-    lr32 = np.float32(lr)
-    one = np.float32(1.0)
-    has_w = weights.size > 0
-    q0 = offsets[uidx(b0)]
-    for j in range(n):
-        if j + dist < n:
-            prefetch_row(base, cache, slots, idx[uidx(q0 + pos[uidx(j + dist)])], nbytes)
-        q = q0 + pos[uidx(j)]
-        b = b0 + bag[uidx(j)]
-        c = _scaled(lr32, weights[uidx(q)] if has_w else one, mean,
-                    offsets[uidx(b + 1)] - offsets[uidx(b)] if mean else 1)
-        row = row_of(base, cache, slots, idx[uidx(q)], F)
-        g = out_row(grad, b, F)
-        for k in range(F):
-            row[k] -= c * g[k]
+def sub_row(spec, base, cache, slots, codec, grad, r, b, c):  # pragma: no cover - numba only
+    """``row(r) -= c * grad[b]``: 8-wide vector FMAs for float32 rows of a specialised size, a
+    plain loop otherwise (chosen at compile time)."""
+    raise NotImplementedError
+
+
+@overload(sub_row, inline="always")
+def _sub_row(spec, base, cache, slots, codec, grad, r, b, c):
+    if _simd(spec, base, codec):
+        def impl(spec, base, cache, slots, codec, grad, r, b, c):
+            vfma8(spec, row_ptr(base, cache, slots, r), out_ptr(grad, b), -c)
+    else:
+        def impl(spec, base, cache, slots, codec, grad, r, b, c):
+            F = featuresize(spec, base)
+            row = row_of(base, cache, slots, r, F)
+            g = out_row(grad, b, F)
+            for k in range(F):
+                row[k] -= c * g[k]
+    return impl
 
 
 @njit(cache=True, fastmath=True, error_model="numpy")
-def apply_simd(spec, base, cache, slots, codec, grad, idx, offsets, weights, mean, lr, b0, pos, bag, n, dist):
-    """:func:`apply_generic` for float32 rows of a specialised size (8-wide vector FMAs)."""
-    nbytes = 8 * len(spec) * 4
+def apply(spec, base, cache, slots, codec, grad, idx, offsets, weights, mean, lr, b0, pos, bag, n, dist):
+    """``row[idx[q]] -= lr * coef * grad[bag]`` for the ``n`` collected positions, prefetching
+    the table row and the gradient row ``dist`` positions ahead."""
+    nbytes = featuresize(spec, base) * base.itemsize
     lr32 = np.float32(lr)
     one = np.float32(1.0)
     has_w = weights.size > 0
@@ -103,30 +103,14 @@ def apply_simd(spec, base, cache, slots, codec, grad, idx, offsets, weights, mea
         b = b0 + bag[uidx(j)]
         c = _scaled(lr32, weights[uidx(q)] if has_w else one, mean,
                     offsets[uidx(b + 1)] - offsets[uidx(b)] if mean else 1)
-        vfma8(spec, row_ptr(base, cache, slots, idx[uidx(q)]), out_ptr(grad, b), -c)
-
-
-def apply_any(spec, base, cache, slots, codec, grad, idx, offsets, weights, mean, lr, b0, pos, bag, n,
-              dist):  # pragma: no cover - numba only
-    """Compile-time choice between the SIMD and the generic apply loop."""
-    raise NotImplementedError
-
-
-@overload(apply_any)
-def _apply_any(spec, base, cache, slots, codec, grad, idx, offsets, weights, mean, lr, b0, pos, bag, n, dist):
-    f = apply_simd if _simd(spec, base, codec) else apply_generic
-
-    def impl(spec, base, cache, slots, codec, grad, idx, offsets, weights, mean, lr, b0, pos, bag, n, dist):
-        f(spec, base, cache, slots, codec, grad, idx, offsets, weights, mean, lr, b0, pos, bag, n, dist)
-
-    return impl
+        sub_row(spec, base, cache, slots, codec, grad, idx[uidx(q)], b, c)
 
 
 @njit(cache=True)
 def sgd_owner_serial(spec, base, cache, slots, codec, grad, idx, offsets, weights, mean, lr, b0, b1, pos, bag, dist):
     """:func:`sgd_owner` on the calling thread (one owner of every row)."""
     n = collect(idx, offsets, b0, b1, 0, owner_scale(base.shape[0], 1), pos[0], bag[0])
-    apply_any(spec, base, cache, slots, codec, grad, idx, offsets, weights, mean, lr, b0, pos[0], bag[0], n, dist)
+    apply(spec, base, cache, slots, codec, grad, idx, offsets, weights, mean, lr, b0, pos[0], bag[0], n, dist)
 
 
 @njit(parallel=True, cache=True)
@@ -136,5 +120,5 @@ def sgd_owner(spec, base, cache, slots, codec, grad, idx, offsets, weights, mean
     m = owner_scale(base.shape[0], P)
     for t in prange(P):
         n = collect(idx, offsets, b0, b1, t, m, pos[t], bag[t])
-        apply_any(spec, base, cache, slots, codec, grad, idx, offsets, weights, mean, lr, b0, pos[t], bag[t], n,
+        apply(spec, base, cache, slots, codec, grad, idx, offsets, weights, mean, lr, b0, pos[t], bag[t], n,
                   dist)
