@@ -27,9 +27,8 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import overload
 
-from .intrinsics import prefetch
 from .lookup import _simd
-from .rowaccess import featuresize, out_ptr, out_row, prefetch_row, row_of, row_ptr, uidx
+from .rowaccess import featuresize, out_ptr, out_row, prefetch_row, prefetch_span, row_of, row_ptr, uidx
 from .simd import vfma8
 
 
@@ -90,6 +89,7 @@ def apply(spec, base, cache, slots, codec, grad, idx, offsets, weights, mean, lr
     """``row[idx[q]] -= lr * coef * grad[bag]`` for the ``n`` collected positions, prefetching
     the table row and the gradient row ``dist`` positions ahead."""
     nbytes = featuresize(spec, base) * base.itemsize
+    gbytes = featuresize(spec, base) * grad.itemsize
     lr32 = np.float32(lr)
     one = np.float32(1.0)
     has_w = weights.size > 0
@@ -98,7 +98,7 @@ def apply(spec, base, cache, slots, codec, grad, idx, offsets, weights, mean, lr
         if j + dist < n:
             jp = j + dist
             prefetch_row(base, cache, slots, idx[uidx(q0 + pos[uidx(jp)])], nbytes)
-            prefetch(grad.ctypes.data + (b0 + bag[uidx(jp)]) * grad.strides[0])
+            prefetch_span(grad.ctypes.data + (b0 + bag[uidx(jp)]) * grad.strides[0], gbytes)
         q = q0 + pos[uidx(j)]
         b = b0 + bag[uidx(j)]
         c = _scaled(lr32, weights[uidx(q)] if has_w else one, mean,

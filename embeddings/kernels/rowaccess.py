@@ -171,7 +171,12 @@ def prefetch_row(base, cache, slots, r, nbytes):
     size is specialised), plus one for the row's last byte when the row is not 64-byte aligned
     and so straddles one more line (a perfectly predicted branch for a given table).
     """
-    addr = row_address(base, cache, slots, r)
+    prefetch_span(row_address(base, cache, slots, r), nbytes)
+
+
+@njit(cache=True, inline="always")
+def prefetch_span(addr, nbytes):
+    """Prefetch every cache line of the ``nbytes`` starting at byte address ``addr``."""
     off = 0
     while off < nbytes:
         prefetch(addr + off)
