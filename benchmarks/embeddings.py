@@ -145,7 +145,7 @@ def interleaved(fns: dict, repeats: int, skip: dict | None = None) -> dict:
 
 def lookup_case(torch, table, tt, idx, offsets, B, k, F, repeats, numpy_repeats):
     t = E.SimpleEmbedding(table)
-    out = np.empty((B, F), np.float32)
+    out = E.aligned_empty((B, F))  # on a cache line, as torch allocates its outputs
     flat_t = torch.from_numpy(idx)
     starts_t = torch.from_numpy(offsets[:-1])
     if k == 1:

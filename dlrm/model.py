@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from embeddings import SGD, Ensemble, RowwiseAdagrad
+from embeddings import SGD, Ensemble, RowwiseAdagrad, aligned_empty
 from embeddings.protocol import EmbeddingTable
 
 from .data.batch import Batch
@@ -40,14 +40,6 @@ def _part(xs, a, b):
 class StepResult:
     loss: float
     logits: np.ndarray
-
-
-def _aligned_empty(shape: tuple[int, ...], align: int = 64) -> np.ndarray:
-    """A float32 array whose data starts on an ``align``-byte boundary (zero-copy into JAX)."""
-    n = int(np.prod(shape))
-    raw = np.empty(n * 4 + align, np.uint8)
-    off = (-raw.ctypes.data) % align
-    return raw[off:off + n * 4].view(np.float32).reshape(shape)
 
 
 class DLRM:
@@ -93,7 +85,7 @@ class DLRM:
         """The (batch, tables, featuresize) interaction input of ``batch``'s sparse features."""
         shape = (len(batch), self.config.ntables, self.config.featuresize)
         if self._buf is None or self._buf.shape != shape:
-            self._buf = _aligned_empty(shape)
+            self._buf = aligned_empty(shape)
         for (a, b), ens in zip(self.groups, self.ensembles):
             ens.lookup_into(self._buf[:, a:b, :], batch.indices[a:b], _part(batch.offsets, a, b))
         return self._buf

@@ -10,7 +10,8 @@ Public API
   storage, always float32 accumulation (:mod:`embeddings.simple`).
 * ``lookup(t, indices, offsets=None, *, mode=None, weights=None)`` and ``lookup_into(out, ...)``:
   non-reducing, CSR-pooled or fixed-width ``(batch, k)`` pooled, sum or mean, optional per-sample
-  weights; ``out`` may be a column slice of a wider array (:mod:`embeddings.lookup`).
+  weights; ``out`` may be a column slice of a wider array (:mod:`embeddings.lookup`);
+  ``aligned_empty(shape)`` allocates one on a cache line, as ``lookup`` does (:mod:`embeddings.aligned`).
 * ``pullback(t, grad, indices, offsets=None, *, mode, weights, optimizer)`` with ``SGD`` or
   ``RowwiseAdagrad``: reindexing into a CSR of unique rows, then one fused accumulate-and-apply
   pass; no table gradient is ever materialised. ``sparse_gradient`` exposes the accumulated
@@ -42,6 +43,7 @@ Plugging in
 """
 
 from . import distributions
+from .aligned import aligned_empty
 from .cached import CachedEmbeddings
 from .ensemble import Ensemble
 from .lookup import lookup, lookup_into
@@ -53,6 +55,6 @@ from .simple import SimpleEmbedding
 
 __all__ = [
     "CachedEmbeddings", "FORWARD", "UPDATE", "Context", "EmbeddingTable", "Ensemble", "Forward", "RowSource",
-    "RowwiseAdagrad", "SGD", "SimpleEmbedding", "Update", "UpdatePlan", "distributions", "eltype",
+    "RowwiseAdagrad", "SGD", "SimpleEmbedding", "Update", "UpdatePlan", "aligned_empty", "distributions", "eltype",
     "example", "featuresize", "lookup", "lookup_into", "nvectors", "pullback", "sparse_gradient",
 ]

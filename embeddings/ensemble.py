@@ -14,6 +14,7 @@ import numpy as np
 from numba import get_num_threads
 
 from . import config
+from .aligned import aligned_empty
 from .batch import Bags, make_bags
 from .kernels import ensemble as K
 from .kernels.reindex import plan_arrays, reindex_many, reindex_sort_many, sortable
@@ -68,7 +69,7 @@ class Ensemble:
                mode: str | None = None, weights: Sequence[object] | None = None) -> np.ndarray:
         """Look up every table; returns a new float32 array (batch, tables, featuresize)."""
         bags = self._bags(indices, offsets, weights, mode)
-        out = np.empty((bags[0].nout, len(self.tables), self._F), np.float32)
+        out = aligned_empty((bags[0].nout, len(self.tables), self._F))
         self._lookup(out, bags)
         return out
 
@@ -90,7 +91,7 @@ class Ensemble:
         if out.shape[0] == 0 or self._F == 0:
             return
         if out.strides[2] != out.itemsize:  # kernels need contiguous output rows
-            tmp = np.empty(out.shape, np.float32)
+            tmp = aligned_empty(out.shape)
             self._lookup(tmp, bags)
             out[...] = tmp
             return

@@ -10,6 +10,7 @@ import numpy as np
 from numba import get_num_threads
 
 from . import config
+from .aligned import aligned_empty
 from .batch import Bags, make_bags
 from .kernels import lookup as K
 from .kernels.rowaccess import spec_for
@@ -43,7 +44,7 @@ def run_lookup(out: np.ndarray, src: RowSource, bags: Bags) -> None:
     if bags.nout == 0 or out.shape[1] == 0:
         return
     if out.strides[1] != out.itemsize:  # kernels need contiguous output rows
-        tmp = np.empty(out.shape, np.float32)
+        tmp = aligned_empty(out.shape)
         run_lookup(tmp, src, bags)
         out[...] = tmp
         return
@@ -82,9 +83,10 @@ def lookup_into(out: np.ndarray, table: EmbeddingTable, indices: object, offsets
 
 def lookup(table: EmbeddingTable, indices: object, offsets: object | None = None,
            *, mode: str | None = None, weights: object | None = None) -> np.ndarray:
-    """Like :func:`lookup_into` but allocates a new float32 ``(nout, featuresize)`` array."""
+    """Like :func:`lookup_into` but allocates a new float32 ``(nout, featuresize)`` array (on a
+    cache line: :func:`~embeddings.aligned.aligned_empty`)."""
     bags = make_bags(table.name, table.nvectors(), indices, offsets, weights, mode)
-    out = np.empty((bags.nout, table.featuresize()), np.float32)
+    out = aligned_empty((bags.nout, table.featuresize()))
     with table.rows(FORWARD, bags.indices) as src:
         run_lookup(out, src, bags)
     return out

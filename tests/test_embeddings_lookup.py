@@ -193,3 +193,24 @@ def test_every_specialised_size_matches_numpy_with_unaligned_output(F):
         for p in range(offsets[b], offsets[b + 1]):
             want[idx[p]] -= 0.5 * g[b]
     np.testing.assert_allclose(t.data, want, rtol=1e-5, atol=1e-5)
+
+
+@given(shape=st.lists(st.integers(1, 9), min_size=1, max_size=3),
+       dtype=st.sampled_from([np.float32, np.float64, np.int64, np.uint8]))
+def test_aligned_empty_starts_on_a_cache_line(shape, dtype):
+    a = E.aligned_empty(tuple(shape), dtype)
+    assert a.shape == tuple(shape) and a.dtype == dtype
+    assert a.ctypes.data % 64 == 0 and a.flags.c_contiguous and a.flags.writeable
+    a[...] = 1  # the whole array is usable memory
+    assert a.sum() == a.size
+
+
+def test_allocating_lookups_return_aligned_arrays():
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal((50, 16)).astype(np.float32)
+    t = E.SimpleEmbedding(data)
+    idx = rng.integers(0, 50, 30)
+    out = E.lookup(t, idx)
+    assert out.ctypes.data % 64 == 0 and np.array_equal(out, data[idx])
+    ens = E.Ensemble([t, E.SimpleEmbedding(data.copy())]).lookup([idx, idx])
+    assert ens.ctypes.data % 64 == 0 and np.array_equal(ens[:, 1], data[idx])
