@@ -6,7 +6,12 @@ validation (vectorised, at memory speed on one core) runs serially up to 16M ele
 pullback builds its update plan on the calling thread: a call opens at most one parallel region.
 """
 
-SERIAL_WORK = 1 << 16  # floats touched by a lookup/update: below this, run serially
+# Floats touched by a lookup/update: below this, run serially. A parallel region costs a wake-up
+# of the sleeping OpenMP worker (OMP_WAIT_POLICY=PASSIVE, see cachedarrays/__init__.py): 50-80 us
+# on this VM, the time one core takes to gather ~2 MB of random rows. 16384 rows, cold, 2 threads
+# vs 1: F=16 (2^18 floats) lookup 0.157 vs 0.091 ms, SGD update 0.58 vs 0.21 ms; F=64 (2^20)
+# a tie; F=256 parallel 20-40% faster.
+SERIAL_WORK = 1 << 19
 SERIAL_CHECK = 1 << 24  # elements validated: below this, check serially (vectorised, one core reads at memory speed)
 PARALLEL_REINDEX_MIN = 1 << 22  # indices: from here pullback reindexes per thread (row ranges) in one region
 FIRST_USE_MAX = 1 << 16  # indices: up to this many, update plans list rows in order of first use
