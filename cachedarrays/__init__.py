@@ -7,11 +7,16 @@ movement; `CachedArray` is what programs hold.
 
 import os
 
-# numba's OpenMP workers spin and then sleep by default; next to XLA's thread pool on a small
-# machine that made every parallel-region launch cost 10-16 ms (2 us with PASSIVE): a tiny DLRM
-# step went from 120 ms to 5 ms.  It must be set before the OpenMP runtime starts (at the first
-# parallel kernel call); a value the user set wins.
+# numba's OpenMP workers spin and then sleep when a parallel region ends. libgomp's default spin
+# (300,000 rounds, ~5 ms here) next to XLA's thread pool on a small machine made every
+# parallel-region launch cost 10-16 ms: a tiny DLRM step took 120 ms instead of 5 ms. Not spinning
+# at all (PASSIVE alone) makes every region wake a sleeping worker, 50-80 us on this VM, which was
+# most of a 16384-row lookup and doubled a DLRM-sized sequence of small kernels. 3000 rounds spin
+# ~50 us: kernels called back to back start in ~2 us, and an idle worker gives its core back
+# after ~50 us. Both variables are read when an OpenMP runtime starts (numba's at the first
+# parallel kernel call; torch's too, in the same process); values the user set win.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 from .annotations import cleanup, evict, noescape, onobjects, prefetch, preserve, softevict, unsafe_free
 from .array import CachedArray, Status, readable, release, similar, writable
