@@ -185,7 +185,12 @@ def owner_segments(offsets: np.ndarray, most: int) -> list[tuple[int, int]]:
 def run_owner(table: EmbeddingTable, g: np.ndarray, bags: Bags, lr: float, P: int) -> None:
     """SGD without an update plan (:mod:`~.kernels.owner`): each of ``P`` threads applies the
     batch positions of the rows it owns, in batch order, a segment of at most
-    ``config.OWNER_SEGMENT`` indices at a time. The ``Update`` context gets the batch's indices."""
+    ``config.OWNER_SEGMENT`` indices at a time.
+
+    ``g`` has not been checked for NaN/inf yet: the first segment's :func:`~.kernels.owner.prepare`
+    checks all of it, and a bad gradient raises before the ``Update`` context (which a caching
+    table uses to count accesses and mark rows dirty) is entered and before anything is written.
+    """
     L = bags.indices.size
     F = table.featuresize()
     if L * F < config.SERIAL_WORK:
@@ -195,19 +200,34 @@ def run_owner(table: EmbeddingTable, g: np.ndarray, bags: Bags, lr: float, P: in
     width = max(int(offsets[b1] - offsets[b0]) for b0, b1 in segments)
     ws = workspace()
     pos, bag = ws.get("opos", (P, width), np.int32), ws.get("obag", (P, width), np.int32)
+    counts, bad = ws.get("ocount", (P,), np.int64), ws.get("obad", (P,), np.int64)
+    prepare, apply = (O.prepare_serial, O.apply_owned_serial) if P == 1 else (O.prepare, O.apply_owned)
+
+    def collect(b0: int, b1: int, g1: int) -> None:
+        prepare(bags.indices, offsets, b0, b1, g, 0, g1, table.nvectors(), pos, bag, counts, bad)
+
+    collect(*segments[0], g.shape[0])
+    rows = bad[bad >= 0]
+    if rows.size:
+        raise nonfinite_error(table, int(rows.min()))
     with table.rows(UPDATE, bags.indices, writable=True) as src:
         dist = prefetch_distance(src.base.shape[1] * src.base.itemsize)
         head = (spec_for(F), src.base, src.cache, src.slots, src.codec, g, bags.indices, offsets, bags.weights,
                 bags.mean, lr)
-        for b0, b1 in segments:
-            if P == 1:
-                O.sgd_owner_serial(*head, b0, b1, pos, bag, dist)
-            else:
-                O.sgd_owner(*head, b0, b1, pos, bag, dist, P)
+        for i, (b0, b1) in enumerate(segments):
+            if i > 0:
+                collect(b0, b1, 0)
+            apply(*head, b0, pos, bag, counts, dist)
 
 
-def check_grad(grad: object, bags: Bags, table: EmbeddingTable) -> np.ndarray:
-    """Validate the output gradient: float, shape (nout, featuresize), finite."""
+def nonfinite_error(table: EmbeddingTable, row: int) -> FloatingPointError:
+    """The error for a NaN or inf in output-gradient row ``row``."""
+    return FloatingPointError(f"{table.name}: non-finite gradient in output row {row}; update refused, table unchanged")
+
+
+def check_grad(grad: object, bags: Bags, table: EmbeddingTable, finite: bool = True) -> np.ndarray:
+    """Validate the output gradient: float, shape (nout, featuresize), and finite unless
+    ``finite`` is false (the caller then checks that itself, as :func:`run_owner` does)."""
     g = np.asarray(grad)
     if g.dtype.kind != "f":
         raise TypeError(f"{table.name}: gradient must be floating point, got {g.dtype}")
@@ -217,11 +237,10 @@ def check_grad(grad: object, bags: Bags, table: EmbeddingTable) -> np.ndarray:
         g = g.astype(np.float32)
     if g.ndim == 2 and g.strides[1] != g.itemsize:  # kernels read contiguous gradient rows
         g = np.ascontiguousarray(g)
-    if g.size:
+    if finite and g.size:
         bad = nonfinite_row(g)
         if bad >= 0:
-            raise FloatingPointError(f"{table.name}: non-finite gradient in output row {bad}; "
-                                     "update refused, table unchanged")
+            raise nonfinite_error(table, bad)
     return g
 
 
@@ -256,13 +275,15 @@ def pullback(table: EmbeddingTable, grad: object, indices: object, offsets: obje
     if not np.isfinite(optimizer.lr):
         raise ValueError(f"learning rate must be finite, got {optimizer.lr}")
     bags = make_bags(table.name, table.nvectors(), indices, offsets, weights, mode)
-    g = check_grad(grad, bags, table)
     L = bags.indices.size
+    owner = (isinstance(optimizer, SGD) and 0 < L <= config.OWNER_MAX and table.featuresize() > 0
+             and table.eltype() in (np.float32, np.float64))
+    g = check_grad(grad, bags, table, finite=not owner)  # run_owner checks in its first region
     if L == 0 or table.featuresize() == 0:
         return
     P = get_num_threads()
     opt, lr, eps, state = optimizer.code, float(optimizer.lr), float(optimizer.eps), optimizer.state(table)
-    if opt == U.SGD and L <= config.OWNER_MAX and table.eltype() in (np.float32, np.float64):
+    if owner:
         run_owner(table, g, bags, lr, P)
     elif P > 1 and L >= config.PARALLEL_REINDEX_MIN and sortable(table.nvectors(), L):
         run_parts(table, g, bags, opt, lr, eps, state, P)

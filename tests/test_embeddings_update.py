@@ -131,6 +131,32 @@ def test_non_finite_gradient_is_refused_and_table_unchanged(bad):
     assert np.array_equal(t.data, table)
 
 
+@pytest.mark.parametrize("path", ["owner", "segments", "plan"])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("row", [0, 17, 38, 39])
+def test_first_non_finite_row_is_reported_and_nothing_written(path, threads, row):
+    # owner-computes checks the gradient inside its kernels, each thread a share of the rows, and
+    # segments of 5 indices apply the first before collecting the next: the check must cover
+    # every row before anything is written, and report the first bad one.
+    rng = np.random.default_rng(row)
+    table = rng.standard_normal((50, 8)).astype(np.float32)
+    t = E.SimpleEmbedding(table.copy(), name="items")
+    idx = rng.integers(0, 50, 120)
+    offsets = np.arange(0, 121, 3)
+    g = rng.standard_normal((40, 8)).astype(np.float32)
+    g[row, 5] = np.nan
+    g[min(row + 1, 39), 0] = np.inf
+    with numba_threads(threads), sgd_path(path):
+        with pytest.raises(FloatingPointError, match=f"items.*row {row};"):
+            E.pullback(t, g, idx, offsets, optimizer=E.SGD(0.1))
+        assert np.array_equal(t.data, table)
+        g[row, 5] = g[min(row + 1, 39), 0] = 0.5  # the same batch, made finite, goes through
+        E.pullback(t, g, idx, offsets, optimizer=E.SGD(0.1))
+    want = table.copy()
+    np.add.at(want, idx, -0.1 * np.repeat(g, 3, axis=0))
+    np.testing.assert_allclose(t.data, want, rtol=1e-5, atol=1e-6)
+
+
 def test_gradient_shape_and_dtype_checked():
     t = E.SimpleEmbedding(np.ones((10, 4), np.float32))
     with pytest.raises(ValueError):

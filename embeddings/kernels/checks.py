@@ -100,7 +100,7 @@ def _rows_finite(x, lo, hi):
 
 
 @njit(cache=True)
-def _first_nonfinite_row_in(x, lo, hi):
+def first_nonfinite_row_in(x, lo, hi):
     """Smallest row in [lo, hi) holding a NaN or inf, or -1."""
     step = max(1, BLOCK // max(x.shape[1], 1))
     for b in range(lo, hi, step):
@@ -116,7 +116,7 @@ def _first_nonfinite_row_in(x, lo, hi):
 @njit(cache=True)
 def first_nonfinite_row_serial(x):
     """Smallest row of 2-d ``x`` holding a NaN or inf, or -1 (on the calling thread)."""
-    return _first_nonfinite_row_in(x, 0, x.shape[0])
+    return first_nonfinite_row_in(x, 0, x.shape[0])
 
 
 @njit(parallel=True, cache=True)
@@ -126,7 +126,7 @@ def first_nonfinite_row(x):
     nc = 16 if n >= 1024 else 1
     firsts = np.full(nc, -1, np.int64)
     for c in prange(nc):
-        firsts[c] = _first_nonfinite_row_in(x, c * n // nc, (c + 1) * n // nc)
+        firsts[c] = first_nonfinite_row_in(x, c * n // nc, (c + 1) * n // nc)
     for c in range(nc):
         if firsts[c] >= 0:
             return firsts[c]
