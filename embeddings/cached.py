@@ -36,6 +36,7 @@ import numpy as np
 from cachedarrays import CachedArray, Manager, evict, unsafe_free, writable
 from cachedarrays.errors import InvariantError
 
+from . import config
 from .kernels import cache as K
 from .kernels.rowaccess import entries
 from .protocol import Context, EmbeddingTable, Forward, RowSource
@@ -44,6 +45,9 @@ from .simple import _codec_for, _storage
 POLICIES = ("simple", "static", "dynamic")
 PAGE_BYTES = 256 << 10
 PAGES_PER_CACHE = 32  # flushing drops whole pages, so a page is a small part of the cache
+
+
+_NO_FREQ = np.empty(0, np.uint8)
 
 
 def _nchunks(n: int) -> int:
@@ -149,8 +153,8 @@ class CachedEmbeddings(EmbeddingTable):
         limit = int(self.state[K.LIMIT])
         t0 = time.perf_counter()
         before = int(self.counts[2])
-        K.access_and_cache_serial(self._base, self._cache, self._ptr, self._backedge, self._ref, self.state,
-                                  rows.astype(np.int64)[:limit], self.counts)
+        K.access_and_cache_serial(self._base, self._cache, self._ptr, self._backedge, self._ref, _NO_FREQ,
+                                  self.state, rows.astype(np.int64)[:limit], 0, self.counts)
         self._account_cached(int(self.counts[2]) - before, time.perf_counter() - t0)
         self.counts[:] = 0  # the fill is not traffic of the workload
 
@@ -216,8 +220,12 @@ class CachedEmbeddings(EmbeddingTable):
         before = int(self.counts[2])
         t0 = time.perf_counter()
         self.state[K.ADMIT] = 1 if self._filling or self._freq.size == 0 else self.admit
-        K.access_and_cache(self._base, self._cache, self._ptr, self._backedge, self._ref, self._freq, self.state,
-                           idx, _nchunks(idx.size), self.counts)
+        if self._small(idx):
+            K.access_and_cache_serial(self._base, self._cache, self._ptr, self._backedge, self._ref, self._freq,
+                                      self.state, idx, self.state[K.ADMIT], self.counts)
+        else:
+            K.access_and_cache(self._base, self._cache, self._ptr, self._backedge, self._ref, self._freq,
+                               self.state, idx, _nchunks(idx.size), self.counts)
         self._age(idx.size)
         self._account_cached(int(self.counts[2]) - before, time.perf_counter() - t0)
 
@@ -236,8 +244,14 @@ class CachedEmbeddings(EmbeddingTable):
         idx = np.ascontiguousarray(indices).ravel()
         if self.policy == "simple":
             self.counts[1] += idx.size
+        elif self._small(idx):
+            K.count_hits_serial(self._ptr, idx, self.counts)
         elif idx.size:
             K.count_hits(self._ptr, idx, _nchunks(idx.size), self.counts)
+
+    def _small(self, idx: np.ndarray) -> bool:
+        """Whether a pass over ``idx`` runs on the calling thread (the lookups' threshold)."""
+        return idx.size * self.featuresize() < config.SERIAL_WORK or numba.get_num_threads() == 1
 
     def set_cachelower(self, rows: int) -> None:
         """Flushes stop once the cache holds at most ``rows`` rows."""

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import cachedarrays as ca
 from embeddings import SGD, CachedEmbeddings, Ensemble, RowwiseAdagrad, SimpleEmbedding, lookup, pullback
 from embeddings import distributions as D
+from helpers import numba_threads, sgd_path
 
 
 def manager():
@@ -26,8 +27,14 @@ def base_of(t):
 
 @settings(max_examples=12, deadline=None)
 @given(policy=st.sampled_from(["simple", "static", "dynamic"]), F=st.sampled_from([1, 5, 16, 64]),
-       seed=st.integers(0, 2**31), second_chance=st.booleans(), adagrad=st.booleans(), admit=st.integers(1, 3))
-def test_hundred_iterations_match_a_simple_table(policy, F, seed, second_chance, adagrad, admit):
+       seed=st.integers(0, 2**31), second_chance=st.booleans(), adagrad=st.booleans(), admit=st.integers(1, 3),
+       threads=st.sampled_from([1, 2]))
+def test_hundred_iterations_match_a_simple_table(policy, F, seed, second_chance, adagrad, admit, threads):
+    with numba_threads(threads):  # 2: the parallel caching, counting and update kernels, however small the batch
+        _hundred_iterations(policy, F, seed, second_chance, adagrad, admit)
+
+
+def _hundred_iterations(policy, F, seed, second_chance, adagrad, admit):
     rng = np.random.default_rng(seed)
     N = 257
     data = rng.standard_normal((N, F)).astype(np.float32)
@@ -90,8 +97,9 @@ def test_ensemble_of_cached_and_plain_tables_matches_per_table_calls():
 
 CONCURRENT = r"""
 import numba, numpy as np, cachedarrays as ca
-from embeddings import CachedEmbeddings, SimpleEmbedding, SGD, lookup, pullback
+from embeddings import CachedEmbeddings, SimpleEmbedding, SGD, config, lookup, pullback
 assert numba.get_num_threads() == {threads}, numba.get_num_threads()
+config.SERIAL_WORK = 0  # every pass in parallel chunks, however small
 rng = np.random.default_rng(0)
 m = ca.Manager(ca.DRAM("32MiB"), ca.PM(None, "64MiB"), policy=ca.LRUPolicy())
 data = rng.standard_normal((4000, 32)).astype(np.float32)
@@ -137,6 +145,25 @@ def test_bad_indices_are_refused_before_anything_is_cached():
         lookup(t, np.array([1.5, 2.0]))
     assert np.array_equal(t._ptr, before) and t.cached_rows == 0 and t.counts.sum() == 0
     t.check()
+
+
+@pytest.mark.parametrize("path", ["owner", "segments", "plan"])
+def test_non_finite_gradient_leaves_a_cached_table_untouched(path):
+    m = manager()
+    data = np.arange(100 * 8, dtype=np.float32).reshape(100, 8)
+    t = CachedEmbeddings(data.copy(), m, cache_rows=40, page_rows=4, name="users")
+    idx = np.array([3, 7, 7, 50, 99, 3])
+    lookup(t, idx)  # caches these rows, clean
+    ptr, counts = t._ptr.copy(), t.counts.copy()
+    g = np.ones((6, 8), np.float32)
+    g[4, 2] = np.inf
+    with sgd_path(path), pytest.raises(FloatingPointError, match="users.*row 4"):
+        pullback(t, g, idx, optimizer=SGD(0.5))
+    # refused before the Update context: nothing counted, nothing dirty, every copy unchanged
+    assert np.array_equal(t._ptr, ptr) and np.array_equal(t.counts, counts)
+    t.check()
+    t.flush_clean()  # raises if the refused update had marked the cache dirty
+    assert np.array_equal(np.asarray(lookup(t, np.arange(100))), data)
 
 
 def test_table_5_4_api_and_flush_rules():

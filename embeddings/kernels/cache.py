@@ -211,11 +211,21 @@ def write_back_live(base, cache, backedge, state):
 
 
 @njit(cache=True)
-def access_and_cache_serial(base, cache, ptr, backedge, ref, state, idx, counts):
-    """Single-threaded `access_and_cache` (same protocol, no counts, every miss admitted): the
-    static policy's one-time fill."""
+def access_and_cache_serial(base, cache, ptr, backedge, ref, freq, state, idx, admit, counts):
+    """`access_and_cache` on the calling thread, admitting misses seen ``admit`` times: small
+    batches (no parallel region to start, and access counts exact, where parallel chunks may lose
+    increments of a row they share), and, with an empty ``freq`` and ``admit`` 0, the static
+    policy's one-time fill."""
     part = np.zeros(3, np.int64)
-    _cache_chunk(base, cache, ptr, backedge, ref, np.empty(0, np.uint8), state, idx, 0, idx.size, state[TAIL],
-                 state[LIMIT], state[RING], 0, part)
+    _cache_chunk(base, cache, ptr, backedge, ref, freq, state, idx, 0, idx.size, state[TAIL],
+                 state[LIMIT], state[RING], admit, part)
     for q in range(3):
         counts[q] += part[q]
+
+
+@njit(cache=True)
+def count_hits_serial(ptr, idx, counts):
+    """:func:`count_hits` on the calling thread (small batches)."""
+    h = _count_chunk(ptr, idx, 0, idx.size)
+    counts[0] += h
+    counts[1] += idx.size - h
