@@ -82,7 +82,7 @@ def measure_plain(m: ca.Manager, bases: list, batches: Batches, repeats: int, ro
 
 
 PAIR_BLOCK = 3  # timed batches per variant and block in measure_dram_pair
-PAIR_ROUNDS = 8  # blocks per variant
+PAIR_ROUNDS = 16  # blocks per variant (the per-block ratios of one run spread 0.5-2.8 at F=64 k=40 Zipf)
 
 
 def measure_dram_pair(m: ca.Manager, bases: list, batches: Batches, rowbytes: int,
