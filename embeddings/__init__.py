@@ -31,10 +31,9 @@ Plugging in
   ``cachedarrays.readable`` / ``writable`` while a kernel runs.
 * Cached tables (``embeddings.cached.CachedEmbeddings``, section 5.4): ``rows()`` returns a
   ``RowSource`` whose ``slots`` is the int64 pointer table (``slots[r] >> 2`` is the address of
-  the row's copy; low bit set: that copy is in ``cache``), after running ``access_and_cache`` on the given indices in
-  ``rows(Forward, indices)``. Every kernel (lookup,
-  update, ensemble) then reads and writes rows through that indirection; see
-  :mod:`embeddings.kernels.rowaccess`.
+  the row's copy; low bit set: that copy is in ``cache``), after running ``access_and_cache`` on
+  the given indices in ``rows(Forward, indices)``. Every kernel (lookup, update, ensemble) then
+  reads and writes rows through that indirection; see :mod:`embeddings.kernels.rowaccess`.
 * Kernels never see Python objects: tables reach them as (base, cache, slots, codec) and a
   ``spec`` tuple that makes the feature size a compile-time constant (sizes 8, 16, 32, 64, 128,
   256 get explicit ``<8 x float>`` SIMD code with a register accumulator; others a generic loop).

@@ -4,8 +4,8 @@ The dissertation's section 5.4.  The base table is a CachedArray in the slow dev
 pointer table (one int64 per row: the address of the row's primary copy, with the low bits
 used as cached flag and lock bit) says where each row is; rows move into a ring of cache pages
 in the fast device (DRAM) when a lookup touches them (`access_and_cache`, the Forward context)
-and are written back a page at a time, oldest first (`flush_dirty`).  Updates write to wherever the row currently lives.  The cache
-pages, the pointer table and the back-edges are CachedArrays allocated in the fast device
+and are written back a page at a time, oldest first (`flush_dirty`).  Updates write to wherever
+the row currently lives.  The cache pages, the pointer table and the back-edges are CachedArrays allocated in the fast device
 through the manager, so its telemetry sees them, and row copies are reported to it too.
 
 Policies (section 5.6.1): ``simple`` (no indirection: every row read from PM), ``static`` (fill
@@ -251,7 +251,7 @@ class CachedEmbeddings(EmbeddingTable):
 
     def _small(self, idx: np.ndarray) -> bool:
         """Whether a pass over ``idx`` runs on the calling thread (the lookups' threshold)."""
-        return idx.size * self.featuresize() < config.SERIAL_WORK or numba.get_num_threads() == 1
+        return config.serial(idx.size * self.featuresize())
 
     def set_cachelower(self, rows: int) -> None:
         """Flushes stop once the cache holds at most ``rows`` rows."""

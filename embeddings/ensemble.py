@@ -97,8 +97,7 @@ class Ensemble:
             return
         with ExitStack() as stack:
             srcs = [stack.enter_context(t.rows(FORWARD, b.indices)) for t, b in zip(self.tables, bags)]
-            small = sum(b.indices.size for b in bags) * self._F < config.SERIAL_WORK
-            if len(srcs) > _MAX_TABLES or small or get_num_threads() == 1:
+            if len(srcs) > _MAX_TABLES or config.serial(sum(b.indices.size for b in bags) * self._F):
                 for i, (s, b) in enumerate(zip(srcs, bags)):
                     run_lookup(out[:, i, :], s, b)
                 return
@@ -145,8 +144,7 @@ class Ensemble:
         if shape[0] == 0 or self._F == 0:
             return
         T = len(self.tables)
-        small = sum(b.indices.size for b in bags) * self._F < config.SERIAL_WORK
-        if T > _MAX_TABLES or small or get_num_threads() == 1:  # table by table (each may be parallel)
+        if T > _MAX_TABLES or config.serial(sum(b.indices.size for b in bags) * self._F):  # table by table
             for i, (t, b) in enumerate(zip(self.tables, bags)):
                 run_update(t, g3[:, i, :], make_plan(t, b), optimizer.code, float(optimizer.lr),
                            float(optimizer.eps), optimizer.state(t), _NO_GOUT)

@@ -51,7 +51,7 @@ def run_lookup(out: np.ndarray, src: RowSource, bags: Bags) -> None:
     dist = prefetch_distance(src.base.shape[1] * src.base.itemsize)
     spec = spec_for(out.shape[1])
     P = get_num_threads()
-    serial = bags.indices.size * out.shape[1] < config.SERIAL_WORK or P == 1
+    serial = config.serial(bags.indices.size * out.shape[1])
     if bags.offsets is None:
         if serial:
             K.gather_serial(spec, out, src.base, src.cache, src.slots, src.codec, bags.indices, dist)

@@ -1,7 +1,7 @@
 """Backward pass: turn the output gradient into a table update, fused with the optimizer.
 
-``pullback(table, grad, indices, offsets, optimizer=...)`` validates everything first (indices,
-offsets, gradient shape/dtype, finiteness), then reindexes the batch into a CSR of unique rows
+``pullback(table, grad, indices, offsets, optimizer=...)`` validates everything before it writes
+(indices, offsets, gradient shape/dtype, finiteness), then reindexes the batch into a CSR of unique rows
 by radix sort (:mod:`embeddings.kernels.reindex`) and runs the fused accumulate-and-apply kernel
 (:mod:`embeddings.kernels.update`) in the ``Update`` context. Batches build one plan on the
 calling thread (~6 ns per index) and update in parallel: one parallel region per call, which on
@@ -193,7 +193,7 @@ def run_owner(table: EmbeddingTable, g: np.ndarray, bags: Bags, lr: float, P: in
     """
     L = bags.indices.size
     F = table.featuresize()
-    if L * F < config.SERIAL_WORK:
+    if config.serial(L * F):
         P = 1
     offsets = bag_offsets(bags)
     segments = owner_segments(offsets, config.OWNER_SEGMENT)
@@ -203,10 +203,10 @@ def run_owner(table: EmbeddingTable, g: np.ndarray, bags: Bags, lr: float, P: in
     counts, bad = ws.get("ocount", (P,), np.int64), ws.get("obad", (P,), np.int64)
     prepare, apply = (O.prepare_serial, O.apply_owned_serial) if P == 1 else (O.prepare, O.apply_owned)
 
-    def collect(b0: int, b1: int, g1: int) -> None:
+    def prepare_segment(b0: int, b1: int, g1: int) -> None:
         prepare(bags.indices, offsets, b0, b1, g, 0, g1, table.nvectors(), pos, bag, counts, bad)
 
-    collect(*segments[0], g.shape[0])
+    prepare_segment(*segments[0], g.shape[0])
     rows = bad[bad >= 0]
     if rows.size:
         raise nonfinite_error(table, int(rows.min()))
@@ -216,7 +216,7 @@ def run_owner(table: EmbeddingTable, g: np.ndarray, bags: Bags, lr: float, P: in
                 bags.mean, lr)
         for i, (b0, b1) in enumerate(segments):
             if i > 0:
-                collect(b0, b1, 0)
+                prepare_segment(b0, b1, 0)
             apply(*head, b0, pos, bag, counts, dist)
 
 
@@ -253,7 +253,7 @@ def run_update(table: EmbeddingTable, g: np.ndarray, plan: UpdatePlan, opt: int,
     with table.rows(UPDATE, plan.uniq, writable=(opt != U.GRADIENT)) as src:
         dist = prefetch_distance(src.base.shape[1] * src.base.itemsize)
         spec = spec_for(table.featuresize())
-        if plan.bag.size * table.featuresize() < config.SERIAL_WORK or get_num_threads() == 1:
+        if config.serial(plan.bag.size * table.featuresize()):
             U.apply_update_serial(spec, src.base, src.cache, src.slots, src.codec, g, plan.uniq,
                                   plan.starts, plan.bag, plan.coef, n, opt, lr, eps, state, gout, dist)
         else:

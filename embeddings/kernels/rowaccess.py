@@ -14,9 +14,8 @@ Every kernel reads and writes rows through a *row source*, three arguments:
   must not move while a table hands out its pointer table (a caching table pins them).  Encoding
   slots as ``slot << 2`` instead cost a flag test, a select and two address computations per
   row: at F=64 with every row in L2 that made a lookup through the table 1.50x a plain lookup,
-  addresses 1.21x.  ``None`` means no
-  indirection (``SimpleEmbedding``) and is resolved at compile time, so a plain table pays
-  nothing for the indirection a caching table needs.  It may have one entry more than the table:
+  addresses 1.21x.  ``None`` means no indirection (``SimpleEmbedding``) and is resolved at
+  compile time, so a plain table pays nothing for the indirection a caching table needs.  It may have one entry more than the table:
   ``slots[nvectors]`` then counts the cached rows the lookup kernels read (``record_hits``).
 
 This is the dissertation's ``rowpointer(A, i, context)`` expressed with arrays instead of raw
@@ -165,18 +164,18 @@ def prefetch_ahead(base, cache, slots, idx, j, dist, end, nbytes):
 
 @njit(cache=True, inline="always")
 def prefetch_row(base, cache, slots, r, nbytes):
-    """Prefetch every cache line of logical row ``r`` (``nbytes`` long).
-
-    One prefetch per 64 bytes from the row start (a constant, unrolled count when the feature
-    size is specialised), plus one for the row's last byte when the row is not 64-byte aligned
-    and so straddles one more line (a perfectly predicted branch for a given table).
-    """
+    """Prefetch every cache line of logical row ``r`` (``nbytes`` long)."""
     prefetch_span(row_address(base, cache, slots, r), nbytes)
 
 
 @njit(cache=True, inline="always")
 def prefetch_span(addr, nbytes):
-    """Prefetch every cache line of the ``nbytes`` starting at byte address ``addr``."""
+    """Prefetch every cache line of the ``nbytes`` starting at byte address ``addr``.
+
+    One prefetch per 64 bytes from the start (a constant, unrolled count when ``nbytes`` is a
+    compile-time constant), plus one for the last byte when ``addr`` is not 64-byte aligned and
+    the span so straddles one more line (a perfectly predicted branch for a given array).
+    """
     off = 0
     while off < nbytes:
         prefetch(addr + off)
