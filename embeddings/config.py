@@ -21,6 +21,9 @@ PARALLEL_REINDEX_MIN = 1 << 22  # indices: from here pullback reindexes per thre
 FIRST_USE_MAX = 1 << 16  # indices: up to this many, update plans list rows in order of first use
 OWNER_MAX = 1 << 22  # indices: up to this many, SGD on float tables updates owner-computes (no plan; kernels.owner)
 OWNER_SEGMENT = 1 << 20  # indices per owner-computes pass (bounds its per-thread scratch)
+# Output bytes of a non-reducing lookup from which it uses streaming stores (kernels.simd.vcopy_stream):
+# an output this large leaves the caches anyway, and a normal store would read each line first.
+STREAM_MIN_BYTES = 4 << 20
 
 
 def serial(work: int) -> bool:

@@ -39,6 +39,14 @@ def check_out(out: np.ndarray, nrows: int, featuresize: int, name: str) -> None:
         raise ValueError(f"{name}: output is read-only")
 
 
+def streams(out: np.ndarray) -> bool:
+    """Whether a non-reducing lookup writes ``out`` with streaming stores: at least
+    ``config.STREAM_MIN_BYTES`` and every row on a 64-byte boundary (float32 rows of a multiple of
+    16 floats in an aligned array, e.g. from :func:`aligned_empty`)."""
+    return (out.nbytes >= config.STREAM_MIN_BYTES and out.ctypes.data % 64 == 0
+            and out.strides[0] % 64 == 0 and out.shape[1] % 16 == 0)
+
+
 def run_lookup(out: np.ndarray, src: RowSource, bags: Bags) -> None:
     """Dispatch one validated batch to the kernels."""
     if bags.nout == 0 or out.shape[1] == 0:
@@ -53,10 +61,11 @@ def run_lookup(out: np.ndarray, src: RowSource, bags: Bags) -> None:
     P = get_num_threads()
     serial = config.serial(bags.indices.size * out.shape[1])
     if bags.offsets is None:
+        stream = streams(out)
         if serial:
-            K.gather_serial(spec, out, src.base, src.cache, src.slots, src.codec, bags.indices, dist)
+            K.gather_serial(spec, out, src.base, src.cache, src.slots, src.codec, bags.indices, dist, stream)
         else:
-            K.gather(spec, out, src.base, src.cache, src.slots, src.codec, bags.indices, dist, P)
+            K.gather(spec, out, src.base, src.cache, src.slots, src.codec, bags.indices, dist, P, stream)
     elif serial:
         K.pooled_serial(spec, out, src.base, src.cache, src.slots, src.codec, bags.indices, bags.offsets,
                         bags.weights, bags.mean, dist)

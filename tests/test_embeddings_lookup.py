@@ -218,3 +218,37 @@ def test_allocating_lookups_return_aligned_arrays():
         assert out.ctypes.data % 64 == 0 and np.array_equal(out, data[idx])
         both = ens.lookup([idx, idx])
         assert both.ctypes.data % 64 == 0 and np.array_equal(both[:, 1], data[idx])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_streaming_gather_is_exact_and_only_for_aligned_rows(threads, monkeypatch):
+    """Non-reducing lookups into large outputs use non-temporal stores (every row must start on
+    a cache line): with the size threshold at 0, every specialised size gathers exactly into an
+    aligned output, and outputs whose rows are not all on a cache line take the normal path."""
+    from embeddings import config
+    from embeddings.lookup import streams
+
+    monkeypatch.setattr(config, "STREAM_MIN_BYTES", 0)
+    rng = np.random.default_rng(threads)
+    with numba_threads(threads):
+        for F in (16, 32, 48, 64, 128, 256):
+            table = rng.standard_normal((300, F)).astype(np.float32)
+            t = E.SimpleEmbedding(table)
+            idx = rng.integers(0, 300, 1000)
+            out = E.aligned_empty((idx.size, F))
+            assert streams(out)
+            E.lookup_into(out, t, idx)
+            assert np.array_equal(out, table[idx])
+            wide = E.aligned_empty((idx.size, F + 16))
+            for view in (wide[:, 16:], wide[:, :F]):  # 64-byte aligned rows, but strided
+                assert streams(view) == (((F + 16) * 4) % 64 == 0)
+                view[...] = 0
+                E.lookup_into(view, t, idx)
+                assert np.array_equal(view, table[idx])
+            off = E.aligned_empty((idx.size * F + 4,))[4:].reshape(idx.size, F)  # 16 bytes off
+            assert not streams(off)
+            E.lookup_into(off, t, idx)
+            assert np.array_equal(off, table[idx])
+        assert not streams(E.aligned_empty((10, 8)))  # 32-byte rows: every other one is off a line
+    monkeypatch.setattr(config, "STREAM_MIN_BYTES", 4 << 20)
+    assert not streams(E.aligned_empty((100, 64))) and streams(E.aligned_empty((16384, 64)))

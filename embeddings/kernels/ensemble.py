@@ -45,7 +45,7 @@ def ensemble_gather(spec, out3, bases, caches, slotss, codec, idxs, dist, nthrea
         t = it // C
         c = it % C
         gather_chunk_any(spec, out3[:, t, :], bases[t], pick(caches, t), pick(slotss, t), codec,
-                     idxs[t], c * B // C, (c + 1) * B // C, dist)
+                     idxs[t], c * B // C, (c + 1) * B // C, dist, False)
 
 
 @njit(parallel=True, cache=True, fastmath=True)

@@ -3,6 +3,8 @@
 * ``prefetch(addr)``: ``llvm.prefetch`` of a byte address into L2 (``prefetcht1``); lets a kernel
   start the memory access of a row it will need a few iterations later, which is what gives a
   random-row gather its memory-level parallelism.
+* ``store_fence()``: a full fence after a kernel's streaming (non-temporal) stores, so they are
+  visible before the parallel region ends.
 * ``f32_bits`` / ``bits_f32``: bit casts between float32 and uint32 (bfloat16 conversion).
 * ``half_to_f32`` / ``f32_to_half``: IEEE half <-> float32 through LLVM ``fpext``/``fptrunc``
   (numba has no float16 type; half data is stored as uint16 and converted here, F16C on x86).
@@ -43,6 +45,20 @@ def prefetch(typingctx, addr):
         fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
         # rw=0 (read), locality=2 (into L2, see above), cache type=1 (data)
         builder.call(fn, [ptr, i32(0), i32(2), i32(1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def store_fence(typingctx):
+    """A sequentially consistent fence (``mfence`` on x86, ``dmb`` on ARM): orders the calling
+    thread's earlier non-temporal stores, which bypass the cache and are otherwise weakly ordered,
+    before its later memory operations. LLVM's weaker fences compile to nothing on x86."""
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        builder.fence("seq_cst")
         return context.get_dummy_value()
 
     return sig, codegen

@@ -26,15 +26,15 @@ from numba import types
 from numba.extending import overload
 
 from .codecs import load
-from .intrinsics import stack_f32
+from .intrinsics import stack_f32, store_fence
 from .rowaccess import (accumulator, featuresize, hit_of, out_ptr, out_row, prefetch_ahead, record_hits, row_of,
                         row_ptr, uidx)
-from .simd import vadd4, vcopy, vfma, vscale_store, vzero
+from .simd import vadd4, vcopy, vcopy_stream, vfma, vscale_store, vzero
 
 
 @njit(cache=True, fastmath=True)
-def gather_chunk(spec, out, base, cache, slots, codec, idx, i0, i1, dist):
-    """out[i] = row(idx[i]) for i in [i0, i1)."""
+def gather_chunk(spec, out, base, cache, slots, codec, idx, i0, i1, dist, stream):
+    """out[i] = row(idx[i]) for i in [i0, i1); ``stream`` is only honoured by the SIMD version."""
     F = featuresize(spec, base)
     nbytes = F * base.itemsize
     hits = 0
@@ -108,14 +108,21 @@ def pooled_chunk(spec, out, base, cache, slots, codec, idx, offsets, weights, me
 
 
 @njit(cache=True, fastmath=True)
-def gather_chunk_simd(spec, out, base, cache, slots, codec, idx, i0, i1, dist):
-    """:func:`gather_chunk` for float32 rows of a specialised feature size (vector copies)."""
+def gather_chunk_simd(spec, out, base, cache, slots, codec, idx, i0, i1, dist, stream):
+    """:func:`gather_chunk` for float32 rows of a specialised feature size (vector copies);
+    with ``stream``, non-temporal stores (:func:`~.simd.vcopy_stream`: every output row on a
+    64-byte boundary, which the caller checks)."""
     nbytes = 8 * len(spec) * 4
     hits = 0
     for i in range(i0, i1):
         prefetch_ahead(base, cache, slots, idx, i, dist, i1, nbytes)
         hits += hit_of(slots, idx[uidx(i)])
-        vcopy(spec, out_ptr(out, i), row_ptr(base, cache, slots, idx[uidx(i)]))
+        if stream:
+            vcopy_stream(spec, out_ptr(out, i), row_ptr(base, cache, slots, idx[uidx(i)]))
+        else:
+            vcopy(spec, out_ptr(out, i), row_ptr(base, cache, slots, idx[uidx(i)]))
+    if stream:
+        store_fence()
     record_hits(base, slots, hits)
 
 
@@ -163,7 +170,7 @@ def pooled_chunk_simd(spec, out, base, cache, slots, codec, idx, offsets, weight
     record_hits(base, slots, hits)
 
 
-def gather_chunk_any(spec, out, base, cache, slots, codec, idx, i0, i1, dist):  # pragma: no cover
+def gather_chunk_any(spec, out, base, cache, slots, codec, idx, i0, i1, dist, stream):  # pragma: no cover
     """Compile-time choice between the SIMD and the generic gather chunk."""
     raise NotImplementedError
 
@@ -180,11 +187,11 @@ def _simd(spec, base, codec):
 
 
 @overload(gather_chunk_any)
-def _gather_chunk_any(spec, out, base, cache, slots, codec, idx, i0, i1, dist):
+def _gather_chunk_any(spec, out, base, cache, slots, codec, idx, i0, i1, dist, stream):
     f = gather_chunk_simd if _simd(spec, base, codec) else gather_chunk
 
-    def impl(spec, out, base, cache, slots, codec, idx, i0, i1, dist):
-        f(spec, out, base, cache, slots, codec, idx, i0, i1, dist)
+    def impl(spec, out, base, cache, slots, codec, idx, i0, i1, dist, stream):
+        f(spec, out, base, cache, slots, codec, idx, i0, i1, dist, stream)
 
     return impl
 
@@ -209,12 +216,13 @@ def nchunks_for(n, nthreads, per_thread):
 
 
 @njit(parallel=True, cache=True, fastmath=True)
-def gather(spec, out, base, cache, slots, codec, idx, dist, nthreads):
-    """Parallel non-reducing lookup into ``out`` (len(idx), featuresize)."""
+def gather(spec, out, base, cache, slots, codec, idx, dist, nthreads, stream):
+    """Parallel non-reducing lookup into ``out`` (len(idx), featuresize); ``stream``: see
+    :func:`gather_chunk_simd`."""
     n = idx.size
     nc = nchunks_for(n, nthreads, 4)
     for c in prange(nc):
-        gather_chunk_any(spec, out, base, cache, slots, codec, idx, c * n // nc, (c + 1) * n // nc, dist)
+        gather_chunk_any(spec, out, base, cache, slots, codec, idx, c * n // nc, (c + 1) * n // nc, dist, stream)
 
 
 @njit(parallel=True, cache=True, fastmath=True)
@@ -230,9 +238,9 @@ def pooled(spec, out, base, cache, slots, codec, idx, offsets, weights, mean, di
 
 
 @njit(cache=True, fastmath=True)
-def gather_serial(spec, out, base, cache, slots, codec, idx, dist):
+def gather_serial(spec, out, base, cache, slots, codec, idx, dist, stream):
     """:func:`gather` on the calling thread (small batches: no parallel-region start-up)."""
-    gather_chunk_any(spec, out, base, cache, slots, codec, idx, 0, idx.size, dist)
+    gather_chunk_any(spec, out, base, cache, slots, codec, idx, 0, idx.size, dist, stream)
 
 
 @njit(cache=True, fastmath=True)

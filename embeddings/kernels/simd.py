@@ -159,3 +159,30 @@ def vcopy(typingctx, spec, dst, src):
         return context.get_dummy_value()
 
     return types.void(spec, dst, src), codegen
+
+
+@intrinsic
+def vcopy_stream(typingctx, spec, dst, src):
+    """dst[:F] = src[:F] with non-temporal (streaming) stores, for a ``dst`` on a 64-byte boundary
+    and ``F`` a multiple of 16 (the caller checks both: a misaligned streaming store faults).
+
+    A normal store first reads its line into the cache (write-allocate), so a gather into an
+    output that does not fit in cache moves three bytes for every two it needs, and pushes the
+    table rows it just read out of L3. Streaming stores go to memory without that read; they are
+    weakly ordered, so a kernel that issues them ends with :func:`~.intrinsics.store_fence`.
+    16384 random rows into a fresh output: F=256 0.90 -> 0.46 ms with the rows in L3, F=64
+    0.27 -> 0.20 ms; cold ~8-13% faster.
+    """
+    if not (_is_spec(spec) and _is_fptr(dst) and _is_fptr(src)):
+        return None
+    vw, n = WIDE, len(spec) * 8 // WIDE
+
+    def codegen(context, builder, sig, args):
+        d, s = args[1:]
+        nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+        for i in range(n):
+            store = builder.store(_load(builder, s, i, vw), _vptr(builder, d, i, vw), align=64)
+            store.set_metadata("nontemporal", nontemporal)
+        return context.get_dummy_value()
+
+    return types.void(spec, dst, src), codegen
