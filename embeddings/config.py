@@ -23,7 +23,10 @@ OWNER_MAX = 1 << 22  # indices: up to this many, SGD on float tables updates own
 OWNER_SEGMENT = 1 << 20  # indices per owner-computes pass (bounds its per-thread scratch)
 # Output bytes of a non-reducing lookup from which it uses streaming stores (kernels.simd.vcopy_stream):
 # an output this large leaves the caches anyway, and a normal store would read each line first.
-STREAM_MIN_BYTES = 4 << 20
+# Half this box's 32 MB L3: 16384 rows of F=256 (16 MB) 1.14-1.54 -> 0.85-1.10 ms; F=128 (8 MB) and
+# F=64 (4 MB) ran slower streamed (0.09-0.16 -> 0.18-0.23 ms at F=64), as a reused output of that
+# size stays in L3 and its write-back is deferred.
+STREAM_MIN_BYTES = 16 << 20
 
 
 def serial(work: int) -> bool:

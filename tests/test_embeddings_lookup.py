@@ -252,3 +252,8 @@ def test_streaming_gather_is_exact_and_only_for_aligned_rows(threads, monkeypatc
         assert not streams(E.aligned_empty((10, 8)))  # 32-byte rows: every other one is off a line
     monkeypatch.setattr(config, "STREAM_MIN_BYTES", 4 << 20)
     assert not streams(E.aligned_empty((100, 64))) and streams(E.aligned_empty((16384, 64)))
+    big = E.aligned_empty((16384, 64))  # 4 MB at the threshold: streamed, and exact
+    table = rng.standard_normal((1000, 64)).astype(np.float32)
+    idx = rng.integers(0, 1000, 16384)
+    E.lookup_into(big, E.SimpleEmbedding(table), idx)
+    assert np.array_equal(big, table[idx])

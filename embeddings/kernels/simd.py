@@ -170,8 +170,8 @@ def vcopy_stream(typingctx, spec, dst, src):
     output that does not fit in cache moves three bytes for every two it needs, and pushes the
     table rows it just read out of L3. Streaming stores go to memory without that read; they are
     weakly ordered, so a kernel that issues them ends with :func:`~.intrinsics.store_fence`.
-    16384 random rows into a fresh output: F=256 0.90 -> 0.46 ms with the rows in L3, F=64
-    0.27 -> 0.20 ms; cold ~8-13% faster.
+    16384 random rows of 256 floats (a 16 MB output): 1.14-1.54 -> 0.85-1.10 ms in the embeddings
+    benchmark; smaller outputs stay in L3 and run faster with normal stores (``config.STREAM_MIN_BYTES``).
     """
     if not (_is_spec(spec) and _is_fptr(dst) and _is_fptr(src)):
         return None
