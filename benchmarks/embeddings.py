@@ -11,9 +11,14 @@ Cases: tables of --rows rows (default 1,000,000), feature sizes 16/64/256, batch
 
 All runs of one case are interleaved round by round, so a noisy neighbour slows all of them
 alike; times are medians, and ours/torch is the median of the per-round ratios. Bytes are the
-table rows read (k * batch * featuresize * 4), compared with the sequential read bandwidth
-measured at the start of the same run. Prints a table and writes JSON (default
-results/embeddings.json).
+table rows read (k * batch * featuresize * 4), compared with a sequential read bandwidth ("ref
+GB/s"): for uniform pooled cases (k > 1, whose random rows do not fit in any cache, so a
+probe between rounds changes nothing for them) a 2-thread read of the probe buffer timed in
+every round of the case, its median; for the others, whose rows stay partly cached between
+rounds, the best of 7 probes at the start of the run. On this VM the 2-thread probe is bimodal
+(about 30 or 52 GB/s, as the two vCPUs share a core or not, changing from one second to the
+next), so a probe taken at another moment than the kernel said more about the vCPUs than about
+the kernel. Prints a table and writes JSON (default results/embeddings.json).
 """
 
 from __future__ import annotations
@@ -67,12 +72,16 @@ def _read_sum(a, nthreads):
     return part.sum()
 
 
-def read_bandwidth(nbytes: int, repeats: int, nthreads: int, huge_pages: bool = True) -> float:
-    """Sequential read bandwidth in GB/s with ``nthreads`` threads: the best of ``repeats`` full
-    reads of an ``nbytes`` buffer (a capacity figure; other processes can only lower it),
-    allocated like the tables."""
+def probe_buffer(nbytes: int, huge_pages: bool = True) -> np.ndarray:
+    """The float32 buffer the bandwidth probes read, allocated like the tables and touched."""
     a = mapped(nbytes, huge_pages).view(np.float32)
     a[:] = 1.0
+    return a
+
+
+def read_bandwidth(a: np.ndarray, repeats: int, nthreads: int) -> float:
+    """Sequential read bandwidth in GB/s with ``nthreads`` threads: the best of ``repeats`` full
+    reads of ``a`` (a capacity figure; other processes can only lower it)."""
     _read_sum(a, nthreads)
     ts = []
     for _ in range(repeats):
@@ -153,7 +162,7 @@ def interleaved(fns: dict, repeats: int, skip: dict | None = None) -> dict:
     return res
 
 
-def lookup_case(torch, table, tt, idx, offsets, B, k, F, repeats, numpy_repeats):
+def lookup_case(torch, table, tt, idx, offsets, B, k, F, repeats, numpy_repeats, probe=None):
     t = E.SimpleEmbedding(table)
     out = E.aligned_empty((B, F))  # on a cache line, as torch allocates its outputs
     flat_t = torch.from_numpy(idx)
@@ -169,6 +178,8 @@ def lookup_case(torch, table, tt, idx, offsets, B, k, F, repeats, numpy_repeats)
         "torch": (lambda: None, lambda: torch.nn.functional.embedding_bag(flat_t, tt, starts_t, mode="sum")),
         "numpy": (lambda: None, lambda: table[idx].reshape(B, k, F).sum(1)),
     }
+    if probe is not None:
+        fns["bandwidth"] = (lambda: None, probe)
     res = interleaved(fns, repeats, {"numpy": numpy_repeats})
     got = torch.nn.functional.embedding_bag(flat_t, tt, starts_t, mode="sum").numpy()
     ours()
@@ -178,7 +189,7 @@ def lookup_case(torch, table, tt, idx, offsets, B, k, F, repeats, numpy_repeats)
     return res
 
 
-def update_case(torch, table, tt, idx, offsets, B, k, F, repeats, numpy_repeats, lr=0.01):
+def update_case(torch, table, tt, idx, offsets, B, k, F, repeats, numpy_repeats, probe=None, lr=0.01):
     t = E.SimpleEmbedding(table)
     rng = np.random.default_rng(1)
     grad = rng.standard_normal((B, F)).astype(np.float32)
@@ -206,6 +217,8 @@ def update_case(torch, table, tt, idx, offsets, B, k, F, repeats, numpy_repeats,
         "torch": (torch_setup, torch_run),
         "numpy": (lambda: None, lambda: np.add.at(table, idx, rep)),
     }
+    if probe is not None:
+        fns["bandwidth"] = (lambda: None, probe)
     return interleaved(fns, repeats, {"numpy": numpy_repeats})
 
 
@@ -236,11 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     load0 = _loadavg()
     huge = not a.no_huge_pages
-    bw = read_bandwidth(256 << 20 if a.quick else 1 << 30, 7, a.threads, huge)
-    print(f"threads={a.threads} rows={a.rows} batch={a.batch}  read bandwidth {bw:.1f} GB/s "
+    buf = probe_buffer(256 << 20 if a.quick else 1 << 30, huge)
+    bw = read_bandwidth(buf, 7, a.threads)
+    probe = lambda: _read_sum(buf, a.threads)  # noqa: E731
+    print(f"threads={a.threads} rows={a.rows} batch={a.batch}  read bandwidth {bw:.1f} GB/s (best of 7) "
           f"(numba {numba.__version__}, torch {torch.__version__}); load average before: {load0}")
     hdr = (f"{'op':7} {'dist':8} {'F':>4} {'k':>3} {'ours ms':>9} {'torch ms':>9} {'numpy ms':>9} "
-           f"{'ns/row':>7} {'GB/s':>6} {'%bw':>5} {'ours/torch':>10}")
+           f"{'ns/row':>7} {'GB/s':>6} {'ref GB/s':>8} {'%bw':>5} {'ours/torch':>10}")
     print(hdr)
     print("-" * len(hdr))
     rows = []
@@ -259,17 +274,20 @@ def main(argv: list[str] | None = None) -> int:
                 ops = [("lookup", lookup_case)] + ([] if a.no_update else [("update", update_case)])
                 for op, fn in ops:
                     reps = a.repeats * (3 if k == 1 else 1)
-                    res = fn(torch, table, tt, idx, offsets, a.batch, k, F, reps, a.numpy_repeats)
+                    in_case = dist == "uniform" and k > 1
+                    res = fn(torch, table, tt, idx, offsets, a.batch, k, F, reps, a.numpy_repeats,
+                             probe if in_case else None)
+                    ref = buf.nbytes / res["bandwidth"] / 1e9 if in_case else bw
                     nbytes = n * F * 4
                     gbs = nbytes / res["ours"] / 1e9
                     row = dict(op=op, dist=dist, featuresize=F, lookups=k, batch=a.batch, rows=a.rows,
                                ours_s=res["ours"], torch_s=res["torch"], numpy_s=res["numpy"],
-                               ns_per_row=res["ours"] / n * 1e9, gb_s=gbs, frac_bw=gbs / bw,
-                               ours_over_torch=res["ours/torch"])
+                               ns_per_row=res["ours"] / n * 1e9, gb_s=gbs, ref_gb_s=ref, ref_in_case=in_case,
+                               frac_bw=gbs / ref, frac_run_bw=gbs / bw, ours_over_torch=res["ours/torch"])
                     rows.append(row)
                     print(f"{op:7} {dist:8} {F:>4} {k:>3} {res['ours'] * 1e3:9.2f} {res['torch'] * 1e3:9.2f} "
-                          f"{res['numpy'] * 1e3:9.1f} {row['ns_per_row']:7.2f} {gbs:6.2f} {gbs / bw * 100:5.0f} "
-                          f"{row['ours_over_torch']:10.2f}", flush=True)
+                          f"{res['numpy'] * 1e3:9.1f} {row['ns_per_row']:7.2f} {gbs:6.2f} {ref:8.1f} "
+                          f"{gbs / ref * 100:5.0f} {row['ours_over_torch']:10.2f}", flush=True)
         del table, tt
     look = [r for r in rows if r["op"] == "lookup"]
     upd = [r for r in rows if r["op"] == "update"]
