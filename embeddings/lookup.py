@@ -41,10 +41,9 @@ def check_out(out: np.ndarray, nrows: int, featuresize: int, name: str) -> None:
 
 def streams(out: np.ndarray) -> bool:
     """Whether a non-reducing lookup writes ``out`` with streaming stores: at least
-    ``config.STREAM_MIN_BYTES`` and every row on a 64-byte boundary (float32 rows of a multiple of
-    16 floats in an aligned array, e.g. from :func:`aligned_empty`)."""
-    return (out.nbytes >= config.STREAM_MIN_BYTES and out.ctypes.data % 64 == 0
-            and out.strides[0] % 64 == 0 and out.shape[1] % 16 == 0)
+    ``config.STREAM_MIN_BYTES`` and every row on a 64-byte boundary (e.g. rows of a multiple of
+    16 floats in an array from :func:`aligned_empty`, or a column slice of one at such an offset)."""
+    return out.nbytes >= config.STREAM_MIN_BYTES and out.ctypes.data % 64 == 0 and out.strides[0] % 64 == 0
 
 
 def run_lookup(out: np.ndarray, src: RowSource, bags: Bags) -> None:

@@ -163,8 +163,9 @@ def vcopy(typingctx, spec, dst, src):
 
 @intrinsic
 def vcopy_stream(typingctx, spec, dst, src):
-    """dst[:F] = src[:F] with non-temporal (streaming) stores, for a ``dst`` on a 64-byte boundary
-    and ``F`` a multiple of 16 (the caller checks both: a misaligned streaming store faults).
+    """dst[:F] = src[:F] with non-temporal (streaming) stores, 16 floats at a time (8 for an odd
+    tail), for a ``dst`` on a 64-byte boundary (the caller checks: a misaligned streaming store
+    faults).
 
     A normal store first reads its line into the cache (write-allocate), so a gather into an
     output that does not fit in cache moves three bytes for every two it needs, and pushes the
@@ -175,13 +176,15 @@ def vcopy_stream(typingctx, spec, dst, src):
     """
     if not (_is_spec(spec) and _is_fptr(dst) and _is_fptr(src)):
         return None
-    vw, n = WIDE, len(spec) * 8 // WIDE
+    n8 = len(spec)
 
     def codegen(context, builder, sig, args):
         d, s = args[1:]
         nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
-        for i in range(n):
-            store = builder.store(_load(builder, s, i, vw), _vptr(builder, d, i, vw), align=64)
+        for i in range(0, n8, 2):
+            vw, align = (16, 64) if i + 1 < n8 else (8, 32)
+            k = 8 * i // vw  # floats 8*i onwards, in vectors of vw
+            store = builder.store(_load(builder, s, k, vw), _vptr(builder, d, k, vw), align=align)
             store.set_metadata("nontemporal", nontemporal)
         return context.get_dummy_value()
 
