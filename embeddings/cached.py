@@ -5,8 +5,9 @@ pointer table (one int64 per row: the address of the row's primary copy, with th
 used as cached flag and lock bit) says where each row is; rows move into a ring of cache pages
 in the fast device (DRAM) when a lookup touches them (`access_and_cache`, the Forward context)
 and are written back a page at a time, oldest first (`flush_dirty`).  Updates write to wherever
-the row currently lives.  The cache pages, the pointer table and the back-edges are CachedArrays allocated in the fast device
-through the manager, so its telemetry sees them, and row copies are reported to it too.
+the row currently lives.  The cache pages, the pointer table and the back-edges are CachedArrays
+allocated in the fast device through the manager, so its telemetry sees them, and row copies are
+reported to it too.
 
 Policies (section 5.6.1): ``simple`` (no indirection: every row read from PM), ``static`` (fill
 the cache once with a given hot set, or random rows, then never cache again) and ``dynamic``

@@ -2,6 +2,7 @@
 
 import ml_dtypes
 
+import numba
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -257,3 +258,40 @@ def test_streaming_gather_is_exact_and_only_for_aligned_rows(threads, monkeypatc
     idx = rng.integers(0, 1000, 16384)
     E.lookup_into(big, E.SimpleEmbedding(table), idx)
     assert np.array_equal(big, table[idx])
+
+
+def test_large_aligned_lookups_reach_the_kernel_as_streaming(monkeypatch):
+    """The exactness test above passes whether or not streaming happens; this one checks the
+    wiring: ``run_lookup`` hands ``stream=True`` to the gather kernel exactly for outputs that
+    ``streams`` accepts, and that kernel's compiled code holds non-temporal stores."""
+    from embeddings import config
+    from embeddings.kernels import lookup as K
+
+    monkeypatch.setattr(config, "STREAM_MIN_BYTES", 1 << 12)
+    seen = []
+    real = K.gather_serial
+    monkeypatch.setattr(K, "gather_serial", lambda *a: (seen.append(a[-1]), real(*a)))
+    table = np.random.default_rng(0).standard_normal((100, 64)).astype(np.float32)
+    t = E.SimpleEmbedding(table)
+    idx = np.arange(100) % 7
+    big, small = E.aligned_empty((100, 64)), E.aligned_empty((10, 64))  # 25.6 KB and 2.5 KB
+    shifted = E.aligned_empty((100 * 64 + 4,))[4:].reshape(100, 64)
+    for out, want in ((big, True), (small, False), (shifted, False)):
+        E.lookup_into(out, t, idx[:out.shape[0]])
+        assert seen.pop() is want and np.array_equal(out, table[idx[:out.shape[0]]])
+
+    # the stores themselves: compiled fresh (numba cannot show the code of cached kernels)
+    from embeddings.kernels.intrinsics import address_as_pointer
+    from embeddings.kernels.rowaccess import spec_for
+    from embeddings.kernels.simd import vcopy_stream
+
+    @numba.njit
+    def copy_row(spec, dst, src):
+        vcopy_stream(spec, address_as_pointer(dst.ctypes.data, dst), address_as_pointer(src.ctypes.data, src))
+
+    for F in (8, 64):  # an odd 8-float tail, and 16-float vectors
+        dst, src = E.aligned_empty((F,)), np.arange(F, dtype=np.float32)
+        copy_row(spec_for(F), dst, src)
+        assert np.array_equal(dst, src)
+    ir = "".join(copy_row.inspect_llvm().values())
+    assert ir.count("!nontemporal") >= 1 + 4  # every store of both: one 8-wide, four 16-wide

@@ -66,14 +66,14 @@ def first_out_of_range(idx, n):
 
 @njit(cache=True)
 def first_bad_offset(offsets):
-    """Smallest b with offsets[b+1] < offsets[b], or -1: a branch-free OR over blocks of raw
-    views (it vectorises; the early-exit loop took 6.8 us for 16385 offsets), searched only on
-    failure."""
+    """Smallest b with offsets[b+1] < offsets[b] (1-d, contiguous), or -1: a branch-free OR over
+    blocks of raw views (it vectorises; the early-exit loop took 6.8 us for 16385 offsets),
+    searched only on failure."""
     n = offsets.size - 1
     for b0 in range(0, n, BLOCK):
         m = min(BLOCK, n - b0)
-        lo = carray(address_as_pointer(offsets.ctypes.data + b0 * 8, offsets), m)
-        hi = carray(address_as_pointer(offsets.ctypes.data + (b0 + 1) * 8, offsets), m)
+        lo = carray(address_as_pointer(offsets.ctypes.data + b0 * offsets.itemsize, offsets), m)
+        hi = carray(address_as_pointer(offsets.ctypes.data + (b0 + 1) * offsets.itemsize, offsets), m)
         bad = 0
         for b in range(m):
             bad |= np.int32(hi[b] < lo[b])
