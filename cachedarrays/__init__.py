@@ -1,6 +1,6 @@
 """cachedarrays: object-level heterogeneous memory management for machine learning.
 
-Devices (`DRAM`, `PM`) supply memory; the `Manager` tracks objects and their
+Devices (`GPU`, `DRAM`, `PM`) supply memory; the `Manager` tracks objects and their
 regions and exposes the data management API; a `Policy` decides placement and
 movement; `CachedArray` is what programs hold.
 """
@@ -19,18 +19,19 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 from .annotations import cleanup, evict, noescape, onobjects, prefetch, preserve, softevict, unsafe_free
-from .array import CachedArray, Status, readable, release, similar, writable
-from .devices import DRAM, PM, Bandwidth, Device, Heap
-from .errors import (CachedArraysError, InvariantError, OutOfMemoryError, PinnedError, PMFormatError,
-                     StatusError, UseAfterFreeError)
+from .array import CachedArray, Status, assign, readable, release, similar, writable
+from .devices import DRAM, GPU, PM, Bandwidth, Device, Heap
+from .errors import (CachedArraysError, CopyError, DeviceUnavailableError, InvariantError, OutOfMemoryError,
+                     PinnedError, PMFormatError, StatusError, UseAfterFreeError)
 from .manager import Manager, Object, Region
 from .policies import LRUPolicy, Policy, TwoLevelCachePolicy
 from .units import format_size, parse_size
 
 __all__ = [
-    "Bandwidth", "CachedArray", "CachedArraysError", "DRAM", "Device", "Heap", "InvariantError", "LRUPolicy",
+    "Bandwidth", "CachedArray", "CachedArraysError", "CopyError", "DRAM", "Device", "DeviceUnavailableError", "GPU",
+    "Heap", "InvariantError", "LRUPolicy",
     "Manager", "Object", "OutOfMemoryError", "PM", "PMFormatError", "PinnedError", "Policy", "Region", "Status",
-    "StatusError", "TwoLevelCachePolicy", "UseAfterFreeError", "cleanup", "evict", "format_size", "noescape",
+    "StatusError", "TwoLevelCachePolicy", "UseAfterFreeError", "assign", "cleanup", "evict", "format_size", "noescape",
     "onobjects", "parse_size", "prefetch", "preserve", "readable", "release", "similar", "softevict",
     "unsafe_free", "writable",
 ]

@@ -82,16 +82,35 @@ def _live(xs: tuple) -> Iterator[CachedArray]:
             yield x
 
 
-def prefetch(*xs: Any, force: bool = False) -> None:
-    """Ask the policy to move every array in ``xs`` (arrays or pytrees) into the fast device."""
+def prefetch(*xs: Any, force: bool = False, to: Any = None) -> None:
+    """Ask the policy to move every array in ``xs`` (arrays or pytrees) up to level ``to``
+    (a device or its name; default: the policy's choice, normally the fast device).
+
+    Returns at once; the copies run in the background and each array's next use waits for its own.
+    """
     for x in cached_arrays(xs):
-        x.policy.prefetch(x.object, force=force)
+        if to is None:
+            x.policy.prefetch(x.object, force=force)
+        else:
+            x.policy.prefetch(x.object, force=force, to=_device(x, to))
 
 
-def evict(*xs: Any) -> None:
-    """Move every array in ``xs`` out of the fast device now."""
+def evict(*xs: Any, to: Any = None) -> None:
+    """Move every array in ``xs`` down to level ``to`` (default: the policy's choice, normally the
+    next level) now; dirty data is written back asynchronously, clean data moves no bytes."""
     for x in cached_arrays(xs):
-        x.policy.evict(x.object)
+        if to is None:
+            x.policy.evict(x.object)
+        else:
+            x.policy.evict(x.object, to=_device(x, to))
+
+
+def _device(x: CachedArray, device: Any):
+    name = device if isinstance(device, str) else getattr(device, "name", None)
+    dev = x.manager.devices.get(name)
+    if dev is None or (not isinstance(device, str) and dev is not device):
+        raise ValueError(f"{device!r} is not a device of this array's manager (devices: {list(x.manager.devices)})")
+    return dev
 
 
 def softevict(*xs: Any) -> None:

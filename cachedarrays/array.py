@@ -9,6 +9,14 @@ Converting to a status tells the policy of the use (`read_use` / `write_use`).
 Transparent use also works: NumPy ufuncs, array functions, operators, indexing
 and ``np.asarray`` pin their inputs for the duration of the call, and array
 results come back as new CachedArrays allocated through the policy.
+
+When the primary is on a GPU, views are device arrays: ``with readable(x) as a`` gives a
+zero-copy JAX array, ``with writable(x) as w`` (and ``.array``) a CuPy array, and
+``jax.dlpack.from_dlpack(readable(x))`` works too.  None of these block the host on a copy in
+flight: the consumer's stream waits for it (the DLPack stream handshake), and releasing the
+view records the consumer's work, so the region's bytes are not moved or reused under it.
+Release GPU views explicitly (``with`` or ``.release()``) for that record to be made.
+Element indexing and ``np.asarray`` of a GPU-resident array copy to the host.
 """
 
 from __future__ import annotations
@@ -66,6 +74,7 @@ class CachedArray(NDArrayOperatorsMixin):
         self.policy = _policy(manager)
         self._status = _status
         self._released = False
+        self._gpu_consumers: set = set()  # "cupy" and/or a JAX device that received the view
         if _object is not None:
             self.shape, self.dtype, self.object = tuple(data_or_shape), np.dtype(dtype), _object
             return
@@ -132,6 +141,10 @@ class CachedArray(NDArrayOperatorsMixin):
                               "use readable(x) or writable(x) (or a `with` block)")
         if self._released:
             raise StatusError(f"this {self._status.value} view was released; take a new one with readable/writable")
+        region = self.manager.primary(self.object)
+        if region.device.memory_space != "host":
+            self._gpu_consumers.add("cupy")
+            return self._gpu_view(region, self._status is Status.ReadWrite)
         return self._view(writeable=self._status is Status.ReadWrite)
 
     def _view(self, writeable: bool) -> np.ndarray:
@@ -141,22 +154,66 @@ class CachedArray(NDArrayOperatorsMixin):
             arr.flags.writeable = False
         return arr
 
+    def _gpu_view(self, region, write: bool, stream=None):
+        """A CuPy view of a GPU region, ordered after its copies on ``stream`` (default: CuPy's current)."""
+        from .devices.gpu import cupy
+        cp = cupy()
+        if self.dtype.fields is not None:
+            raise TypeError(f"a GPU-resident array of structured dtype {self.dtype} has no CuPy view; "
+                            f"evict it to a host device to read it")
+        self.manager.ready_on(region, cp.cuda.get_current_stream() if stream is None else stream, write)
+        raw = self.manager.bytes(region, wait=False)[:self.nbytes]
+        return raw.view(self.dtype).reshape(self.shape)
+
+    def _from_gpu(self, f):
+        """``f(cupy_view)`` under a read pin (this view's, or a temporary one)."""
+        v = readable(self) if self._status is Status.NotBusy else self
+        try:
+            return f(v.array)
+        finally:
+            if v is not self:
+                v.release()
+
+    def _on_gpu(self) -> bool:
+        return self.manager.primary(self.object).device.memory_space != "host"
+
     def release(self) -> "CachedArray":
         """End this view's pin now (also happens on ``with`` exit or when the view is collected)."""
         if self._status is not Status.NotBusy and not self._released:
             self._released = True
             self._finalizer.detach()
+            if self._gpu_consumers:
+                self._record_gpu_uses()
             self.manager.unpin(self.object)
         return self
 
-    def __enter__(self) -> np.ndarray:
-        return self.array
+    def _record_gpu_uses(self) -> None:
+        from .devices.gpu import CudaUse, JaxUse
+        region = self.manager.primary(self.object)
+        for consumer in self._gpu_consumers:
+            self.manager.add_use(region, CudaUse() if consumer == "cupy" else JaxUse(consumer))
+        self._gpu_consumers.clear()
+
+    def __enter__(self):
+        try:
+            if self._status is Status.ReadOnly and self._on_gpu():
+                import jax
+                return jax.dlpack.from_dlpack(self)
+            return self.array
+        except BaseException:
+            self.release()  # ``with`` will not call __exit__: do not leave the object pinned
+            raise
 
     def __exit__(self, *exc) -> None:
         self.release()
 
     # ------------------------------------------------------------------ numpy interop
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        if self._on_gpu():
+            if copy is False:
+                raise ValueError("a GPU-resident CachedArray cannot be exposed to NumPy without a copy")
+            host = self._from_gpu(lambda a: a.get())
+            return host if dtype is None else host.astype(dtype, copy=False)
         if self._status is not Status.NotBusy:
             arr = self.array
             if dtype is not None and np.dtype(dtype) != arr.dtype:
@@ -180,6 +237,8 @@ class CachedArray(NDArrayOperatorsMixin):
         return call_pinned(func, args, kwargs)
 
     def __getitem__(self, key):
+        if self._on_gpu():
+            return self._from_gpu(lambda a: _to_host(a[_unwrap_key(key)]))
         if self._status is not Status.NotBusy:
             return self.array[_unwrap_key(key)]
         with readable(self) as arr:
@@ -190,6 +249,14 @@ class CachedArray(NDArrayOperatorsMixin):
         if self._status is Status.ReadOnly:
             raise StatusError("cannot write through a ReadOnly view; use writable(x)")
         from .interop import pinned_values
+        if self._on_gpu():
+            with pinned_values(value) as plain:
+                if self._status is Status.ReadWrite:
+                    assign_into(self.array, plain, _unwrap_key(key))
+                else:
+                    with writable(self) as w:
+                        assign_into(w, plain, _unwrap_key(key))
+            return
         with pinned_values(value) as plain:
             if self._status is Status.ReadWrite:
                 self.array[_unwrap_key(key)] = plain
@@ -216,11 +283,60 @@ class CachedArray(NDArrayOperatorsMixin):
             raise StatusError("export a readable(x) or writable(x) view, not a NotBusy array, through DLPack")
         if self._released:
             raise StatusError("this view was released")
+        region = self.manager.primary(self.object)
+        if region.device.memory_space != "host":
+            return self._gpu_export(region, stream, kwargs)
         # DLPack as JAX requests it has no read-only flag; consumers like JAX never write.
         return self._view(writeable=True).__dlpack__(stream=stream, **kwargs)
 
+    def _gpu_export(self, region, stream, kwargs):
+        """DLPack export of a GPU region: the consumer's ``stream`` waits for the region's copies."""
+        from .devices.gpu import cupy
+        cp = cupy()
+        consumer = cp.cuda.ExternalStream(stream) if isinstance(stream, int) and stream > 2 else None
+        view = self._gpu_view(region, write=self._status is Status.ReadWrite, stream=consumer)
+        import jax
+        for d in jax.devices():
+            if d.platform == "gpu" and getattr(d, "local_hardware_id", d.id) == region.device.index:
+                self._gpu_consumers.add(d)
+        return view.__dlpack__(stream=stream, **kwargs)
+
     def __dlpack_device__(self):
+        region = self.manager.primary(self.object)
+        if region.device.memory_space != "host":
+            return (2, region.device.index)  # kDLCUDA
         return self._view(writeable=False).__dlpack_device__()
+
+
+def assign_into(target, value, key=Ellipsis) -> None:
+    """``target[key] = value`` where ``target`` is a numpy or CuPy view and ``value`` is numpy, JAX,
+    CuPy or anything array-like; GPU targets take device values through DLPack without a host trip."""
+    if isinstance(target, np.ndarray):
+        target[key] = np.asarray(value)
+        return
+    from .devices.gpu import cupy
+    cp = cupy()
+    if hasattr(value, "__dlpack__") and not isinstance(value, np.ndarray):
+        try:
+            value = cp.from_dlpack(value)  # JAX/CuPy on the GPU: zero-copy, ordered on CuPy's stream
+        except (BufferError, TypeError, ValueError, RuntimeError):
+            value = cp.asarray(np.asarray(value))
+    else:
+        value = cp.asarray(value)
+    target[key] = value
+
+
+def assign(view: "CachedArray", value) -> None:
+    """Write ``value`` (e.g. a JAX result) into the bytes of the writable view ``view``, on the
+    device where they live: ``with writable(x) as w: ...`` then ``assign(wv, y)`` or simply
+    ``assign(writable(x), y)``.  Shapes broadcast as in NumPy."""
+    if not isinstance(view, CachedArray) or view.status is not Status.ReadWrite:
+        raise StatusError("assign needs a writable(x) view")
+    assign_into(view.array, value)
+
+
+def _to_host(result):
+    return result.get() if result.ndim else result.item()
 
 
 def _unwrap_key(key):

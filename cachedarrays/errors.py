@@ -32,3 +32,11 @@ class PMFormatError(CachedArraysError, ValueError):
 
 class InvariantError(CachedArraysError, AssertionError):
     """`check()` found broken internal state; the message says which invariant and where."""
+
+
+class CopyError(CachedArraysError, RuntimeError):
+    """A copy between two devices failed; the message names the object and the device pair."""
+
+
+class DeviceUnavailableError(CachedArraysError, RuntimeError):
+    """A device cannot be created here: no such hardware, or its optional dependencies are missing."""

@@ -6,29 +6,44 @@ pin counts and telemetry.  It makes no placement decisions: a policy does, using
 only the methods here.  One re-entrant lock guards all state; object finalizers
 only append ids to a free queue, which is drained under the lock at the next
 manager call, so garbage collection can never run manager code at a bad moment.
+
+Devices form *levels*, fastest first: ``Manager(GPU(..), DRAM(..), PM(..))``; ``fast`` is the
+first and ``slow`` the last, so two-level code keeps working.  A region's *dirty* bit says it is
+newer than the object's next region below it (per link, not per object).
+
+Copies are asynchronous: `copyto_async` submits a copy to the `CopyEngine` and records, per
+region, the completion that *fills* it and those that *drain* it (copies reading it, consumers
+on a GPU still using it).  The manager still makes no decisions; it only enforces the order:
+a region is not read before its fill completes (`bytes` waits), not written before its drains
+complete, and its bytes are not reused before both: a region freed with copies in flight leaves
+a *busy range* on its device, and a region later allocated over it starts with those copies as
+drains, so its first write or incoming copy waits for them (a copy engine orders that on the
+GPU, without blocking the host).  `copyto` keeps the synchronous meaning of Table 4.4.  A copy
+that fails at submission raises `CopyError` at once and changes nothing; one that fails in
+flight into an object's primary puts the primary back on the copy's source, whose bytes are
+intact, and raises `CopyError` at the object's next use.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
-import time
 import weakref
 from typing import Callable
 
 import numpy as np
 
-from .copy import copy_bytes
 from .devices import Device
 from .devices.perf import copy_seconds
-from .errors import InvariantError, OutOfMemoryError, PinnedError, UseAfterFreeError
+from .engine import Completion, CopyEngine, Waitable
+from .errors import CopyError, InvariantError, OutOfMemoryError, PinnedError, UseAfterFreeError
 from .telemetry import Telemetry
 
 
 class Region:
     """A contiguous, aligned range on one device; the unit of allocation and movement."""
 
-    __slots__ = ("device", "offset", "nbytes", "owner", "dirty", "freed", "__weakref__")
+    __slots__ = ("device", "offset", "nbytes", "owner", "dirty", "freed", "fill", "drains", "__weakref__")
 
     def __init__(self, device: Device, offset: int, nbytes: int):
         self.device = device
@@ -37,6 +52,13 @@ class Region:
         self.owner: _Record | None = None
         self.dirty = False
         self.freed = False
+        self.fill: Completion | None = None  # the copy writing this region
+        self.drains: list[Waitable] = []  # copies reading it, consumers still using it
+
+    def pending(self) -> list[Waitable]:
+        """The fill and drains not yet done."""
+        items = self.drains if self.fill is None else [self.fill, *self.drains]
+        return [w for w in items if not w.done()]
 
     def __repr__(self) -> str:
         state = "freed" if self.freed else ("dirty" if self.dirty else "clean")
@@ -47,7 +69,7 @@ class Region:
 class _Record:
     """The manager's strong record of an object; survives the handle until the free queue drains."""
 
-    __slots__ = ("id", "nbytes", "primary", "regions", "pins", "alive", "handle")
+    __slots__ = ("id", "nbytes", "primary", "regions", "pins", "alive", "handle", "error")
 
     def __init__(self, id_: int, primary: Region):
         self.id = id_
@@ -57,6 +79,7 @@ class _Record:
         self.pins = 0
         self.alive = True
         self.handle: weakref.ref[Object] | None = None
+        self.error: CopyError | None = None  # a failed copy, raised at the next use
 
 
 class Object:
@@ -114,18 +137,36 @@ class _Guard:
 
 
 class Manager:
-    """Owns the devices, the object registry, the lock and the telemetry.
+    """Owns the devices, the object registry, the lock, the copy engine and the telemetry.
 
-    ``Manager(fast=DRAM(...), slow=PM(...), policy=None)``.  With a policy the
-    manager also exposes the policy API by forwarding to it (see `policy`).
+    ``Manager(*devices, policy=None)`` with two or more devices ordered fastest first
+    (``Manager(fast=..., slow=...)`` also works).  ``copy_workers``: host copy threads of the
+    copy engine.  When a device lives on a GPU, host devices are page-locked for DMA where the
+    OS allows it (a warning says where it does not; their GPU copies are then staged).
     """
 
-    def __init__(self, fast: Device, slow: Device, policy=None):
-        if fast.name == slow.name:
-            raise ValueError(f"fast and slow devices must have different names, both are {fast.name!r}")
-        self.fast = fast
-        self.slow = slow
-        self.devices: dict[str, Device] = {fast.name: fast, slow.name: slow}
+    def __init__(self, *devices: Device, policy=None, fast: Device | None = None, slow: Device | None = None,
+                 copy_workers: int = 1):
+        levels = list(devices)
+        if fast is not None:
+            levels.insert(0, fast)
+        if slow is not None:
+            levels.append(slow)
+        _check_levels(levels)
+        self.levels: list[Device] = levels
+        self.fast = levels[0]
+        self.slow = levels[-1]
+        self.devices: dict[str, Device] = {dev.name: dev for dev in levels}
+        self._level = {dev.name: i for i, dev in enumerate(levels)}
+        self.engine = CopyEngine(copy_workers)
+        self._inflight: collections.deque[tuple[Completion, Region, Region]] = collections.deque()
+        self._busy: dict[str, list[tuple[int, int, list[Waitable]]]] = {dev.name: [] for dev in levels}
+        self.closed = False
+        if any(dev.memory_space != "host" for dev in levels):
+            from .devices.gpu import pagelock
+            for dev in levels:
+                if dev.memory_space == "host":
+                    pagelock(dev)
         self._lock = threading.RLock()
         self._depth = 0
         self._guard = _Guard(self)
@@ -145,6 +186,39 @@ class Manager:
         with self._locked():
             policy.attach(self)
             self.policy = policy
+
+    # ------------------------------------------------------------------ levels
+    def level(self, device: Device) -> int:
+        """``device``'s place in the hierarchy: 0 for the fastest."""
+        return self._level[self._device(device).name]
+
+    def below(self, device: Device) -> Device | None:
+        """The next slower level (None for the slowest)."""
+        i = self.level(device) + 1
+        return self.levels[i] if i < len(self.levels) else None
+
+    def above(self, device: Device) -> Device | None:
+        """The next faster level (None for the fastest)."""
+        i = self.level(device)
+        return self.levels[i - 1] if i > 0 else None
+
+    def regions_of(self, obj: Object) -> list[Region]:
+        """``obj``'s regions, fastest level first (the first is the primary under a policy)."""
+        with self._locked():
+            record = self._rec(obj)
+            return sorted(record.regions.values(), key=lambda r: self._level[r.device.name])
+
+    def objects_on(self, device: Device) -> list[Object]:
+        """Live objects with a region on ``device`` (primary or linked), in address order."""
+        with self._locked():
+            dev = self._device(device)
+            found = []
+            for offset in sorted(self._regions[dev.name]):
+                owner = self._regions[dev.name][offset].owner
+                handle = owner.handle() if owner is not None and owner.handle is not None else None
+                if handle is not None:
+                    found.append(handle)
+            return found
 
     # ------------------------------------------------------------------ locking and the free queue
     def _locked(self) -> "_Guard":
@@ -243,11 +317,16 @@ class Manager:
         """A new unowned region of ``nbytes`` on ``device``, or None when it does not fit."""
         with self._locked():
             dev = self._device(device)
+            self._reap()
             offset = dev.allocate(nbytes)
             if offset is None:
                 self.telemetry_data.count("allocation_failures")
                 return None
             region = Region(dev, offset, nbytes)
+            busy = self._busy[dev.name]
+            if busy:
+                end = offset + nbytes
+                region.drains = [w for lo, hi, ws in busy if lo < end and offset < hi for w in ws if not w.done()]
             self._regions[dev.name][offset] = region
             self.telemetry_data.allocated(dev, region.nbytes)
             return region
@@ -310,19 +389,94 @@ class Manager:
             detach.owner = None
 
     def copyto(self, dst: Region, src: Region) -> None:
-        """Copy the bytes of ``src`` into ``dst`` (same size) and record bytes and time."""
+        """Copy the bytes of ``src`` into ``dst`` (same size) now; returns when the copy is done."""
         with self._locked():
-            self._live(dst)
-            self._live(src)
-            if dst.nbytes != src.nbytes:
-                raise ValueError(f"cannot copy {src.nbytes} bytes from {src} into {dst} of {dst.nbytes} bytes")
-            if dst is src:
+            if self._check_copy(dst, src):
                 return
-            t0 = time.perf_counter()
-            copy_bytes(self.bytes(dst), self.bytes(src))
-            elapsed = time.perf_counter() - t0
-            modeled = copy_seconds(src.nbytes, src.device.bandwidth, dst.device.bandwidth)
-            self.telemetry_data.copied(src.device, dst.device, src.nbytes, elapsed, modeled)
+            after = self._copy_order(dst, src)
+            completion = self.engine.copy_now(dst.device, dst.offset, src.device, src.offset, src.nbytes, after)
+            completion.waited = completion.duration()  # the caller waited for all of it
+            record = dst.owner
+            self._submitted(completion, dst, src)
+            dst.fill = completion
+            self._reap()
+            self._raise_failed(record)
+            if completion.error is not None:
+                raise CopyError(f"copy from {src} to {dst} failed: {completion.error!r}") from completion.error
+
+    def copyto_async(self, dst: Region, src: Region) -> Completion:
+        """Start copying ``src`` into ``dst``; returns at once with the copy's completion.
+
+        ``dst`` is not readable (`bytes` waits) until the copy completes, and ``src`` is not
+        writable or reusable before; the copy itself waits for ``src``'s own fill and for
+        ``dst``'s earlier uses.
+        """
+        with self._locked():
+            if self._check_copy(dst, src):
+                return self._noop(src)
+            after = self._copy_order(dst, src)
+            completion = self.engine.submit(dst.device, dst.offset, src.device, src.offset, src.nbytes, after)
+            if completion.done() and completion.error is not None:
+                self.telemetry_data.count("copy_failures")
+                raise CopyError(f"copy of {self._what(src)} from {src.device.name} to {dst.device.name} failed: "
+                                f"{completion.error!r}; nothing was moved") from completion.error
+            self._submitted(completion, dst, src)
+            dst.fill = completion
+            src.drains = [w for w in src.drains if not w.done()]
+            src.drains.append(completion)
+            return completion
+
+    def ready(self, region: Region, write: bool = True) -> float:
+        """Block until ``region`` can be read (its fill is done) or, with ``write``, also written
+        (every drain done).  Returns the seconds blocked; raises `CopyError` if its fill failed."""
+        self._live(region)
+        record = region.owner
+        blocked = 0.0
+        fill = region.fill
+        if fill is not None and not fill.done():
+            blocked += fill.wait()
+        if write:
+            for w in list(region.drains):
+                blocked += w.wait()
+        if (fill is not None and fill.error is not None) or (record is not None and record.error is not None):
+            with self._locked():
+                self._reap()
+                self._raise_failed(record)
+        return blocked
+
+    def ready_on(self, region: Region, stream, write: bool = True) -> None:
+        """Make the GPU ``stream`` wait until ``region`` can be read (or written): like `ready`, but
+        the host does not block on copies that run on a CUDA stream (the DLPack stream handshake)."""
+        from .devices.gpu import wait_on_stream
+        self._live(region)
+        record = region.owner
+        fill = region.fill
+        wait_on_stream([w for w in (fill, *(region.drains if write else ())) if w is not None and not w.done()], stream)
+        if (fill is not None and fill.error is not None) or (record is not None and record.error is not None):
+            with self._locked():
+                self._reap()
+                self._raise_failed(record)
+
+    def add_use(self, region: Region, use: Waitable) -> None:
+        """Record that a consumer (e.g. a GPU kernel) still uses ``region``'s bytes until ``use`` is done."""
+        with self._locked():
+            self._live(region)
+            region.drains = [w for w in region.drains if not w.done()]
+            region.drains.append(use)
+
+    def wait_all(self, account: bool = True) -> None:
+        """Wait for every copy in flight and every recorded use of freed bytes.
+
+        ``account=False`` (reporting) does not count the wait as exposed copy time.
+        """
+        with self._locked():
+            for completion, _, _ in list(self._inflight):
+                completion.wait(account)
+            for busy in self._busy.values():
+                for _, _, waitables in busy:
+                    for w in waitables:
+                        w.wait()
+            self._reap()
 
     def sizeof(self, region: Region) -> int:
         return self._live(region).nbytes
@@ -383,9 +537,16 @@ class Manager:
         """Add ``n`` to the telemetry counter ``name`` (policies count their decisions here)."""
         self.telemetry_data.count(name, n)
 
-    def bytes(self, region: Region) -> np.ndarray:
-        """A writable uint8 numpy view of the region's bytes."""
-        self._live(region)
+    def bytes(self, region: Region, wait: bool = True) -> np.ndarray:
+        """A writable uint8 view of the region's bytes (numpy, or CuPy on a GPU).
+
+        Waits until the region may be written (see `ready`); ``wait=False`` is for GPU
+        consumers that order themselves after the region's copies on a stream instead.
+        """
+        if wait:
+            self.ready(region)
+        else:
+            self._live(region)
         return region.device.view(region.offset, region.nbytes)
 
     def evictfrom(self, device: Device, region: Region, nbytes: int, callback: Callable[[Region], object]) -> bool:
@@ -426,6 +587,7 @@ class Manager:
         """Compact ``device``; refuses while any object on it is pinned.  Returns the number of moves."""
         with self._locked():
             dev = self._device(device)
+            self.wait_all(account=False)
             table = self._regions[dev.name]
             pinned = [r.owner.id for r in table.values() if r.owner is not None and r.owner.pins]
             if pinned:
@@ -444,16 +606,23 @@ class Manager:
         """Counters: copies per device pair (bytes, count, measured and modeled seconds),
         allocations, frees, occupancy and high-water marks per device, and an occupancy timeline."""
         with self._locked():
+            for completion, _, _ in list(self._inflight):
+                completion.wait(account=False)  # a snapshot reports finished copies only
+            self._reap()
             return self.telemetry_data.snapshot()
 
     def reset_telemetry(self) -> None:
         """Zero every counter and the timeline (e.g. after a warm-up); high-water marks restart from now."""
         with self._locked():
+            for completion, _, _ in list(self._inflight):
+                completion.wait(account=False)  # copies before the reset are counted before it
+            self._reap()
             self.telemetry_data.reset()
 
     def check(self) -> None:
         """Cross-check heaps, the registry, links and dirty bits; raise `InvariantError` on the first problem."""
         with self._locked():
+            self._reap()
             for dev in self.devices.values():
                 dev.check()
                 table = self._regions[dev.name]
@@ -462,6 +631,12 @@ class Manager:
                     extra = sorted(occupied.keys() - table.keys())[:5]
                     missing = sorted(table.keys() - occupied.keys())[:5]
                     raise InvariantError(f"{dev.name}: heap blocks without regions {extra}, regions without blocks {missing}")
+                for lo, hi, waitables in self._busy[dev.name]:
+                    pending = [w for w in waitables if not w.done()]
+                    for offset, region in table.items():
+                        if offset < hi and lo < offset + region.nbytes and any(w not in region.drains for w in pending):
+                            raise InvariantError(f"{region} overlaps bytes [{lo}, {hi}) that copies in flight still use, "
+                                                 f"but does not wait for them")
                 for offset, region in table.items():
                     if region.freed or region.offset != offset or region.device is not dev:
                         raise InvariantError(f"{dev.name}: registry entry {offset} holds {region}")
@@ -469,6 +644,13 @@ class Manager:
                         raise InvariantError(f"{region} has {region.nbytes} bytes but its heap block was asked for {occupied[offset]}")
                     if region.owner is not None and region.owner.regions.get(dev.name) is not region:
                         raise InvariantError(f"{region} claims object {region.owner.id}, which does not list it")
+            for completion, dst, src in self._inflight:
+                for region in (dst, src):
+                    if region.freed and not completion.done() and not any(
+                            completion in ws for lo, hi, ws in self._busy[region.device.name]
+                            if lo <= region.offset < hi):
+                        raise InvariantError(f"{region} was freed while {completion} is in flight, and its bytes are "
+                                             f"not marked busy")
             for record in self._records.values():
                 if not record.alive:
                     raise InvariantError(f"dead object {record.id} is still registered")
@@ -485,9 +667,22 @@ class Manager:
                 self.policy.check()
 
     def close(self) -> None:
-        """Close both devices (their memory goes once no view aliases it)."""
-        for dev in self.devices.values():
-            dev.close()
+        """Wait for copies in flight, stop the copy engine, close every device (their memory goes
+        once no view aliases it).  Closing twice is harmless."""
+        if self.closed:
+            return
+        with self._locked():
+            try:
+                self.wait_all(account=False)
+            finally:
+                self.closed = True
+                self.engine.close()
+                if any(dev.memory_space != "host" for dev in self.levels):
+                    from .devices.gpu import pageunlock
+                    for dev in self.levels:
+                        pageunlock(dev)
+                for dev in self.levels:
+                    dev.close()
 
     def __enter__(self):
         return self
@@ -531,12 +726,100 @@ class Manager:
         region.dirty = False
 
     def _release(self, region: Region) -> None:
+        """Free ``region``; bytes that copies in flight still use are remembered as a busy range."""
         dev = region.device
         del self._regions[dev.name][region.offset]
         region.freed = True
         region.owner = None
+        pending = region.pending()
+        if pending:
+            self._busy[dev.name].append((region.offset, region.offset + region.nbytes, pending))
+            self.telemetry_data.count("frees_with_copies_in_flight")
         dev.free(region.offset)
         self.telemetry_data.freed(dev, region.nbytes)
+
+    # ------------------------------------------------------------------ copies in flight
+    def _check_copy(self, dst: Region, src: Region) -> bool:
+        """Validate a copy; True when there is nothing to copy (``dst is src``)."""
+        self._live(dst)
+        self._live(src)
+        if dst.nbytes != src.nbytes:
+            raise ValueError(f"cannot copy {src.nbytes} bytes from {src} into {dst} of {dst.nbytes} bytes")
+        return dst is src
+
+    @staticmethod
+    def _copy_order(dst: Region, src: Region) -> list[Waitable]:
+        """What a copy from ``src`` to ``dst`` must wait for: src's fill, dst's fill and uses."""
+        return [w for w in (src.fill, dst.fill, *dst.drains) if w is not None and not w.done()]
+
+    def _noop(self, src: Region) -> Completion:
+        completion = Completion(src.device.name, src.device.name, 0)
+        completion.finish()
+        completion.settled = True
+        return completion
+
+    def _submitted(self, completion: Completion, dst: Region, src: Region) -> None:
+        modeled = copy_seconds(src.nbytes, src.device.bandwidth, dst.device.bandwidth)
+        self.telemetry_data.copied(src.device, dst.device, src.nbytes, 0.0, modeled)
+        self._inflight.append((completion, dst, src))
+
+    def _reap(self) -> None:
+        """Account for finished copies, handle failed ones, forget busy ranges that are idle."""
+        if self._inflight:
+            self._reap_inflight()
+        for name, busy in self._busy.items():
+            if busy:
+                self._busy[name] = [(lo, hi, ws) for lo, hi, ws in busy if not all(w.done() for w in ws)]
+
+    def _reap_inflight(self) -> None:
+        keep = collections.deque()
+        while self._inflight:
+            entry = self._inflight.popleft()
+            completion, dst, src = entry
+            if not completion.done():
+                keep.append(entry)
+                continue
+            if completion.gpu_uses and not all(e.query() for e in completion.gpu_uses):
+                keep.append(entry)  # the exposed time is known once the consumer got there
+                continue
+            completion.settled = True
+            self.telemetry_data.timed(src.device, dst.device, completion.duration(), completion.exposed())
+            if completion.error is not None:
+                self._failed(completion, dst, src)
+        self._inflight = keep
+
+    def _failed(self, completion: Completion, dst: Region, src: Region) -> None:
+        """A copy into ``dst`` failed in flight: keep the object's data on ``src`` where it still is,
+        and remember the error for the object's next use."""
+        self.telemetry_data.count("copy_failures")
+        record = dst.owner if not dst.freed else None
+        if record is None:
+            return
+        kept = not src.freed and src.owner is record
+        moved = record.primary is dst and kept
+        if moved:
+            record.primary = src
+            src.dirty = True  # dst never got its bytes: the regions below are older than src
+        elif kept:
+            src.dirty = True  # the write-back did not happen: src is still newer than dst
+        outcome = (f"its data is kept on {src.device.name}" if kept else
+                   f"its data was on a region of {src.device.name} already freed: the object's contents are lost")
+        record.error = CopyError(f"copy of object {record.id} from {src.device.name} to {dst.device.name} failed: "
+                                 f"{completion.error!r}; {outcome}")
+        if record.primary is not dst:
+            del record.regions[dst.device.name]
+            self._release(dst)
+        if moved and self.policy is not None and record.handle is not None and record.handle() is not None:
+            self.policy.restored(record.handle(), dst.device, src.device)
+
+    def _what(self, region: Region) -> str:
+        return f"object {region.owner.id}" if region.owner is not None else str(region)
+
+    @staticmethod
+    def _raise_failed(record: _Record | None) -> None:
+        if record is not None and record.error is not None:
+            error, record.error = record.error, None
+            raise error
 
     def _free_record(self, record: _Record) -> None:
         if self.policy is not None:
@@ -548,3 +831,18 @@ class Manager:
             self._release(region)
         record.regions.clear()
         self.telemetry_data.count("objects_freed")
+
+
+def _check_levels(levels: list[Device]) -> None:
+    if len(levels) < 2:
+        raise ValueError(f"a manager needs two or more devices, fastest first; got {len(levels)}")
+    names = [dev.name for dev in levels]
+    for name in names:
+        if names.count(name) > 1:
+            raise ValueError(f"two devices are named {name!r}: give each a distinct name "
+                             f"(e.g. DRAM('4GiB', name='dram1'))")
+    for a, b in zip(levels, levels[1:]):
+        if a.tier > b.tier:
+            order = ", ".join(f"{d.name} ({d.kind})" for d in levels)
+            raise ValueError(f"devices must be ordered fastest first, but {a.name} ({a.kind}) comes before "
+                             f"the faster {b.name} ({b.kind}): {order}")

@@ -1,9 +1,13 @@
-"""Devices: heaps over preallocated buffers (`DRAM`, `PM`). They know nothing of objects."""
+"""Devices: heaps over preallocated buffers (`GPU`, `DRAM`, `PM`). They know nothing of objects.
+
+`GPU` imports CuPy only when one is created.
+"""
 
 from .device import Device
 from .dram import DRAM
+from .gpu import GPU
 from .heap import ALIGN, PAGE, Block, Heap
 from .perf import Bandwidth, PROFILES
 from .pm import PM
 
-__all__ = ["ALIGN", "PAGE", "Bandwidth", "Block", "DRAM", "Device", "Heap", "PM", "PROFILES"]
+__all__ = ["ALIGN", "PAGE", "Bandwidth", "Block", "DRAM", "Device", "GPU", "Heap", "PM", "PROFILES"]

@@ -28,9 +28,19 @@ def prefault(buffer: np.ndarray, preserve: bool = False) -> None:
 
 
 class Device:
-    """Base class of memory devices: allocation through a `Heap`, bytes through `view`."""
+    """Base class of memory devices: allocation through a `Heap`, bytes through `view`.
+
+    ``memory_space`` says where the bytes live (``"host"``, or ``"cuda:N"`` for a GPU); the copy
+    engine needs nothing else to move them.  ``tier`` orders kinds of device from fastest (0, GPU)
+    to slowest (PM); a manager's levels must not go from a slower tier to a faster one.
+    ``page_locked`` is set when a host device's buffer was registered with CUDA, so that copies
+    to and from a GPU are DMA transfers.
+    """
 
     kind = "device"
+    tier = 1
+    memory_space = "host"
+    page_locked = False
 
     def __init__(self, buffer: np.ndarray, name: str, bandwidth: Bandwidth):
         self.buffer = buffer

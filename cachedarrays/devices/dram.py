@@ -24,6 +24,7 @@ class DRAM(Device):
     """
 
     kind = "dram"
+    tier = 1
 
     def __init__(self, capacity: int | str, *, name: str = "DRAM",
                  bandwidth: Bandwidth | str | tuple[float, float] | None = None, huge_pages: bool = True):

@@ -84,6 +84,7 @@ class PM(Device):
     """
 
     kind = "pm"
+    tier = 2
 
     def __init__(self, path: str | os.PathLike | None = None, capacity: int | str | None = None, *,
                  name: str = "PM", bandwidth: Bandwidth | str | tuple[float, float] | None = None,

@@ -2,13 +2,22 @@
 
 A `Policy` turns the program's hints into data movement.  Subclasses override
 the hooks — `placement` (where a new object goes), `victims` (which objects to
-start evicting from, in order), `on_use` (what a use does), and the tracking
-hooks `on_fast` / `on_slow` / `forget` — and inherit correct implementations of
-the operations: `alloc_fast`, `alloc_slow`, `new`, `in_fast`, `read_use`,
+start evicting from the fast level, in order; `victims_on` for any level), `on_use`
+(what a use does), `prefetch_target` / `evict_target` (which level a prefetch
+moves an object to, and which an eviction moves it to), and the tracking hooks
+`on_fast` / `on_slow` / `on_move` / `forget` — and inherit correct implementations
+of the operations: `alloc_fast`, `alloc_slow`, `new`, `in_fast`, `read_use`,
 `write_use`, `unsafe_free`, `prefetch`, `evict`, `softevict`.
 
-Invariant kept here (and verified by `check`): if an object has a region on the
-fast device, that region is its primary.
+Levels: the manager's devices, fastest first (``self.levels``; ``self.fast`` is the
+first and ``self.slow`` the last, so a policy written for two levels works on any
+number).  Making room on a level evicts its victims to the level below, which may
+in turn make room there: eviction cascades GPU -> DRAM -> PM.  A clean object moves
+no bytes at any level: its copy below is reused.  Prefetches and write-backs are
+asynchronous copies (the manager orders every use after them).
+
+Invariant kept here (and verified by `check`): an object's primary is its region on
+the fastest level it has one on; in particular, a fast region is the primary.
 """
 
 from __future__ import annotations
@@ -16,8 +25,10 @@ from __future__ import annotations
 import gc
 from typing import Iterable, Iterator
 
+from ..devices import Device
 from ..errors import InvariantError, OutOfMemoryError, PinnedError
 from ..manager import Manager, Object, Region
+from ..units import format_size
 
 
 class Policy:
@@ -25,8 +36,8 @@ class Policy:
 
     ``collect_at``: when set (a fraction like 0.8), an allocation that finds the
     slow device this full first runs Python's garbage collector and drains the
-    manager's free queue, as the dissertation's GC-reliant modes do.  (The fast
-    device is full by design; running out of room there triggers eviction, and
+    manager's free queue, as the dissertation's GC-reliant modes do.  (The faster
+    levels are full by design; running out of room there triggers eviction, and
     a collection only when eviction cannot make room.)
     """
 
@@ -39,6 +50,7 @@ class Policy:
         if self.manager is not None and self.manager is not manager:
             raise ValueError("this policy is already attached to another manager")
         self.manager = manager
+        self.levels: list[Device] = list(manager.levels)
         self.fast = manager.fast
         self.slow = manager.slow
 
@@ -49,13 +61,32 @@ class Policy:
         return self.manager
 
     # ------------------------------------------------------------------ hooks for subclasses
-    def placement(self, nbytes: int):
+    def placement(self, nbytes: int) -> Device:
         """Device a new object of ``nbytes`` should go to (default: the fast device)."""
         return self.fast
 
     def victims(self, nbytes: int) -> Iterable[Object]:
         """Objects in the fast device to start evicting from, best first (default: none)."""
         return ()
+
+    def victims_on(self, device: Device, nbytes: int) -> Iterable[Object]:
+        """Objects with a region on ``device`` to start evicting from, best first.
+
+        Default: `victims` for the fast level; on other levels every object with a region
+        there, in address order.
+        """
+        if device is self.fast:
+            return self.victims(nbytes)
+        return self.m.objects_on(device)
+
+    def prefetch_target(self, obj: Object) -> Device:
+        """Level a `prefetch` without ``to`` moves ``obj`` to (default: the fast level)."""
+        return self.fast
+
+    def evict_target(self, obj: Object) -> Device:
+        """Level an eviction moves ``obj`` to (default: the level below its primary)."""
+        below = self.m.below(self.m.primary(obj).device)
+        return self.slow if below is None else below
 
     def on_use(self, obj: Object, write: bool) -> None:
         """Called on every read or write use, after the dirty bit is set for writes."""
@@ -66,36 +97,49 @@ class Policy:
     def on_slow(self, obj: Object) -> None:
         """``obj``'s primary has just left the fast device."""
 
+    def on_move(self, obj: Object, old: Device | None, new: Device) -> None:
+        """``obj``'s primary moved from level ``old`` (None: just allocated) to ``new``.
+
+        Default: `on_fast` when it arrives on the fast level, `on_slow` when it leaves it.
+        """
+        if new is self.fast:
+            self.on_fast(obj)
+        elif old is self.fast:
+            self.on_slow(obj)
+
     def on_softevict(self, obj: Object) -> None:
         """Hint that ``obj`` will not be used for a while (default: ignored)."""
 
     def forget(self, obj_id: int, regions: dict[str, Region]) -> None:
         """``obj_id`` is about to be freed (its ``regions`` are still live); drop any tracking."""
 
+    def restored(self, obj: Object, old: Device, new: Device) -> None:
+        """The manager moved ``obj``'s primary back from ``old`` to ``new`` after a failed copy."""
+        self.on_move(obj, old, new)
+
     # ------------------------------------------------------------------ the policy API (Table 4.5)
     def new(self, nbytes: int) -> Object:
-        """Allocate an object where `placement` says; fall back to the slow device if the fast one cannot fit it."""
+        """Allocate an object where `placement` says; a level that cannot fit it passes it to the next."""
         with self.m.lock():
-            if self.placement(nbytes) is self.fast and nbytes <= self.fast.capacity:
-                region = self._fast_region(nbytes, force=True, required=False)
-                if region is not None:
-                    return self._adopt_fast(region)
+            self._fits_somewhere(nbytes)
+            first = self.m.level(self.placement(nbytes))
+            for device in self.levels[first:-1]:
+                if nbytes <= device.capacity:
+                    region = self._region_on(device, nbytes, force=True, required=False)
+                    if region is not None:
+                        return self._adopt(region)
             return self.alloc_slow(nbytes)
 
     def alloc_fast(self, nbytes: int) -> Object:
         """A new object in the fast device, evicting others if needed; raises `OutOfMemoryError` if impossible."""
         with self.m.lock():
-            return self._adopt_fast(self._fast_region(nbytes, force=True, required=True))
+            return self._adopt(self._region_on(self.fast, nbytes, force=True, required=True))
 
     def alloc_slow(self, nbytes: int) -> Object:
         """A new object in the slow device."""
         with self.m.lock():
-            self._maybe_collect(self.slow)
-            region = self.m.allocate(self.slow, nbytes)
-            if region is None:
-                self._collect()
-                region = self.m.allocate_or_raise(self.slow, nbytes)
-            return self.m.new_object(region)
+            self._fits_somewhere(nbytes)
+            return self._adopt(self._slow_region(nbytes))
 
     def in_fast(self, obj: Object) -> bool:
         return self.m.in_device(self.m.primary(obj), self.fast)
@@ -115,38 +159,54 @@ class Policy:
         """Free ``obj`` now, before the garbage collector would."""
         self.m.free(obj)
 
-    def prefetch(self, obj: Object, force: bool = False) -> bool:
-        """Move ``obj`` into the fast device (Listing 4.2); with ``force``, evict others to make room.
+    def prefetch(self, obj: Object, force: bool = False, to: Device | None = None) -> bool:
+        """Start moving ``obj`` up to level ``to`` (default `prefetch_target`; Listing 4.2).
 
-        Returns whether ``obj`` is in the fast device afterwards.
+        Returns at once: the copy runs in the background and the next use waits for it.
+        With ``force``, evict others to make room.  Returns whether ``obj`` is on that level
+        (or a faster one) afterwards.
         """
         with self.m.lock():
             m = self.m
+            target = self.prefetch_target(obj) if to is None else to
             x = m.primary(obj)
-            if m.in_device(x, self.fast):
+            if m.level(x.device) <= m.level(target):
                 return True
-            if m.pinned(obj) or x.nbytes > self.fast.capacity:
+            if m.pinned(obj) or x.nbytes > target.capacity:
                 return False
-            y = self._fast_region(x.nbytes, force=force, required=False)
+            m.pin(obj)  # making room below must not move obj itself
+            try:
+                y = self._region_on(target, x.nbytes, force=force, required=False)
+            finally:
+                m.unpin(obj)
             if y is None:
                 return False
-            m.copyto(y, x)
-            m.mark_clean(x)
+            x = m.primary(obj)
+            try:
+                m.copyto_async(y, x)
+            except BaseException:
+                m.free(y)
+                raise
+            if self._below(obj, x) is None:
+                m.mark_clean(x)  # nothing below x: its dirty bit has nothing to be newer than
             m.link(x, y)
             m.set_primary(obj, y)
             m.record("prefetches")
-            self.on_fast(obj)
+            self.on_move(obj, x.device, target)
             return True
 
-    def evict(self, obj: Object) -> None:
-        """Move ``obj`` out of the fast device now (Listing 4.1)."""
+    def evict(self, obj: Object, to: Device | None = None) -> None:
+        """Move ``obj`` down to level ``to`` (default `evict_target`) now (Listing 4.1).
+
+        A dirty object is written back asynchronously; a clean one moves no bytes.
+        """
         with self.m.lock():
             x = self.m.primary(obj)
-            if not self.m.in_device(x, self.fast):
+            if x.device is self.slow or (to is not None and self.m.level(to) <= self.m.level(x.device)):
                 return
             if self.m.pinned(obj):
                 raise PinnedError(f"cannot evict object {obj.id}: it is pinned by a live readable/writable view")
-            self._evict(obj, x)
+            self._evict(obj, x, to)
 
     def softevict(self, obj: Object) -> None:
         """Prioritise ``obj`` for eviction without moving it now."""
@@ -157,78 +217,147 @@ class Policy:
 
     # ------------------------------------------------------------------ invariants
     def check(self) -> None:
-        """Verify the fast-primary invariant for every live object."""
+        """Verify that every live object's primary is its region on the fastest level it has one on."""
         m = self.m
         for obj in m.objects():
             primary = m.primary(obj)
-            fast = m.getlinked(primary, self.fast)
-            if fast is not None and fast is not primary:
-                raise InvariantError(f"object {obj.id} has a fast region {fast} that is not its primary {primary}")
+            fastest = m.regions_of(obj)[0]
+            if fastest is not primary:
+                raise InvariantError(f"object {obj.id} has a region {fastest} on a faster level that is not its "
+                                     f"primary {primary}")
 
     # ------------------------------------------------------------------ machinery
-    def _adopt_fast(self, region: Region) -> Object:
+    def _adopt(self, region: Region) -> Object:
         obj = self.m.new_object(region)
-        self.on_fast(obj)
+        self.on_move(obj, None, region.device)
         return obj
 
-    def _evict(self, obj: Object, x: Region) -> None:
+    def _below(self, obj: Object, region: Region) -> Region | None:
+        """``obj``'s next region below ``region`` (None if there is none)."""
+        regions = self.m.regions_of(obj)
+        i = regions.index(region)
+        return regions[i + 1] if i + 1 < len(regions) else None
+
+    def _evict(self, obj: Object, x: Region, to: Device | None = None) -> None:
+        """Move ``obj`` from its primary ``x`` down to ``to``, dropping the regions in between."""
         m = self.m
-        y = m.getlinked(x, self.slow)
+        target = self.evict_target(obj) if to is None else to
+        y = m.getlinked(x, target)
         fresh = y is None
         if fresh:
-            y = m.allocate(self.slow, x.nbytes)
-            if y is None:
-                self._collect()
-                y = m.allocate_or_raise(self.slow, x.nbytes)
-        if fresh or m.isdirty(x):
-            m.copyto(y, x)
+            target, y = self._room_below(obj, target, x.nbytes)
+            m.link(x, y)
+        level = m.level(target)
+        upper = [r for r in m.regions_of(obj) if m.level(r.device) < level]
+        dirty = any(m.isdirty(r) for r in upper)
+        if fresh or dirty:
+            try:
+                m.copyto_async(y, x)
+            except BaseException:
+                if fresh:
+                    m.unlink(x, y)
+                    m.free(y)
+                raise
+            if dirty:
+                m.mark_dirty(y)
             m.record("evictions_written_back")
         else:
             m.record("evictions_clean_elided")
             m.record("bytes_elided", x.nbytes)
         m.set_primary(obj, y)
-        m.free(x)
-        self.on_slow(obj)
+        for r in upper:
+            m.free(r)
+        self.on_move(obj, x.device, target)
+
+    def _room_below(self, obj: Object, target: Device, nbytes: int) -> tuple[Device, Region]:
+        """A region for ``obj`` on ``target``, or on the first level below it with room (a level too
+        small, or full of pinned objects, passes the object further down)."""
+        m = self.m
+        m.pin(obj)  # making room must not move obj itself
+        try:
+            while True:
+                if target is self.slow:
+                    return target, self._slow_region(nbytes)
+                if target.capacity >= nbytes:
+                    region = self._region_on(target, nbytes, force=True, required=False)
+                    if region is not None:
+                        return target, region
+                existing = m.getlinked(m.primary(obj), m.below(target))
+                target = m.below(target)
+                if existing is not None:
+                    return target, existing
+        finally:
+            m.unpin(obj)
 
     def _evict_callback(self, region: Region) -> bool:
-        obj = self.m.parent(region)
+        m = self.m
+        obj = m.parent(region)
         if obj is None:
-            return self.m.reclaim(region)
-        self._evict(obj, region)
+            return m.reclaim(region)
+        primary = m.primary(obj)
+        if region is primary:
+            target = self.evict_target(obj)
+            if m.level(target) <= m.level(region.device):
+                target = m.below(region.device)
+            self._evict(obj, region, target)
+        else:
+            above = m.regions_of(obj)
+            above = above[above.index(region) - 1]
+            if m.isdirty(region):
+                m.mark_dirty(above)  # region was newer than what is below it; now the one above is
+            m.free(region)
+            m.record("linked_dropped")
         return True
 
-    def _fast_region(self, nbytes: int, force: bool, required: bool) -> Region | None:
-        """A fast region of ``nbytes``, evicting victims in `victims` order when ``force``."""
+    def _region_on(self, device: Device, nbytes: int, force: bool, required: bool) -> Region | None:
+        """A region of ``nbytes`` on ``device``, evicting victims in `victims_on` order when ``force``."""
         m = self.m
-        region = m.allocate(self.fast, nbytes)
+        if device is self.slow:
+            return self._slow_region(nbytes)
+        region = m.allocate(device, nbytes)
         if region is not None or not force:
             if region is None and required:
-                raise OutOfMemoryError(f"{self.fast.name} heap exhausted: {self.fast.heap.exhausted_message(nbytes)}")
+                raise OutOfMemoryError(f"{device.name} heap exhausted: {device.heap.exhausted_message(nbytes)}")
             return region
         pinned_seen = 0
-        for victim in self._candidates(nbytes):
+        for victim in self._candidates(device, nbytes):
             if m.pinned(victim):
                 pinned_seen += 1
                 continue
-            start = m.primary(victim)
-            if not m.in_device(start, self.fast):
+            start = m.getlinked(m.primary(victim), device)
+            if start is None:
                 continue
             m.record("forced_evictfrom")
-            if m.evictfrom(self.fast, start, nbytes, self._evict_callback):
-                region = m.allocate(self.fast, nbytes)
+            if m.evictfrom(device, start, nbytes, self._evict_callback):
+                region = m.allocate(device, nbytes)
                 if region is not None:
                     return region
         self._collect(run_gc=self.collect_at is not None)
-        region = m.allocate(self.fast, nbytes)
+        region = m.allocate(device, nbytes)
         if region is None and required:
             only_pinned = " (every object left in it is pinned by a live view)" if pinned_seen else ""
-            raise OutOfMemoryError(f"{self.fast.name}: cannot make room even by forced eviction{only_pinned}: "
-                                   f"{self.fast.heap.exhausted_message(nbytes)}")
+            raise OutOfMemoryError(f"{device.name}: cannot make room even by forced eviction{only_pinned}: "
+                                   f"{device.heap.exhausted_message(nbytes)}")
         return region
 
-    def _candidates(self, nbytes: int) -> Iterator[Object]:
+    def _slow_region(self, nbytes: int) -> Region:
+        m = self.m
+        self._maybe_collect(self.slow)
+        region = m.allocate(self.slow, nbytes)
+        if region is None:
+            self._collect()
+            region = m.allocate_or_raise(self.slow, nbytes)
+        return region
+
+    def _fits_somewhere(self, nbytes: int) -> None:
+        if nbytes > max(dev.capacity for dev in self.levels):
+            sizes = ", ".join(f"{dev.name} {format_size(dev.capacity)}" for dev in self.levels)
+            raise OutOfMemoryError(f"requested {nbytes} bytes ({format_size(nbytes)}), larger than every level "
+                                  f"({sizes})")
+
+    def _candidates(self, device: Device, nbytes: int) -> Iterator[Object]:
         seen = set()
-        for obj in list(self.victims(nbytes)):
+        for obj in list(self.victims_on(device, nbytes)):
             if obj.id not in seen and obj.alive:
                 seen.add(obj.id)
                 yield obj

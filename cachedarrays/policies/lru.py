@@ -5,22 +5,26 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterator
 
-from ..manager import Object, Region
+from ..devices import Device
+from ..errors import InvariantError
+from ..manager import Manager, Object, Region
 from .base import Policy
 
 
 class LRUPolicy(Policy):
-    """Keep recently used objects in the fast device; evict from the least recently used.
+    """Keep recently used objects on the fast level; evict from the least recently used.
 
-    - ``local_alloc`` (L): new objects start in the fast device.  Without it they
-      start in the slow device and are moved in on first use (``insert_on_use``
+    - ``local_alloc`` (L): new objects start on the fast level.  Without it they
+      start on the slowest level and are moved in on first use (``insert_on_use``
       defaults to ``not local_alloc``), like a cache's compulsory misses.
     - ``honor_frees`` (M): `unsafe_free` (and so `cleanup`/`noescape`) frees
       memory now; without it frees are ignored and only the garbage collector
       reclaims memory.
     - ``prefetch`` (P): `prefetch` hints move data; without it they are ignored.
 
-    `softevict` moves an object to the front of the eviction order.
+    Every level keeps its own recency order of the objects whose primary is there, so
+    making room on any level (a cascade GPU -> DRAM -> PM) evicts that level's least
+    recently used first.  `softevict` moves an object to the front of its level's order.
     """
 
     def __init__(self, local_alloc: bool = True, honor_frees: bool = True, prefetch: bool = True,
@@ -30,39 +34,56 @@ class LRUPolicy(Policy):
         self.honor_frees = honor_frees
         self.prefetch_hints = prefetch
         self.insert_on_use = (not local_alloc) if insert_on_use is None else insert_on_use
-        self._order: OrderedDict[int, None] = OrderedDict()  # objects whose primary is fast, LRU first
+        self._orders: dict[str, OrderedDict[int, None]] = {}  # per level: ids whose primary is there, LRU first
 
     def __repr__(self) -> str:
         flags = "".join(f for f, on in (("L", self.local_alloc), ("M", self.honor_frees), ("P", self.prefetch_hints)) if on)
         return f"LRUPolicy({flags or '0'})"
 
-    def placement(self, nbytes: int):
+    def attach(self, manager: Manager) -> None:
+        super().attach(manager)
+        self._orders = {dev.name: OrderedDict() for dev in self.levels}
+
+    @property
+    def _order(self) -> OrderedDict[int, None]:
+        """The fast level's recency order."""
+        return self._orders[self.fast.name]
+
+    def placement(self, nbytes: int) -> Device:
         return self.fast if self.local_alloc else self.slow
 
     def victims(self, nbytes: int) -> Iterator[Object]:
-        for obj_id in list(self._order):
+        return self.victims_on(self.fast, nbytes)
+
+    def victims_on(self, device: Device, nbytes: int) -> Iterator[Object]:
+        for obj_id in list(self._orders[device.name]):
             obj = self.m.getobject(obj_id)
             if obj is not None:
                 yield obj
+        if device is not self.fast:  # copies kept below faster primaries take room here too
+            yield from self.m.objects_on(device)
 
     def on_use(self, obj: Object, write: bool) -> None:
-        if obj.id in self._order:
-            self._order.move_to_end(obj.id)
-        elif self.insert_on_use:
+        order = self._orders[self.m.primary(obj).device.name]
+        if obj.id in order:
+            order.move_to_end(obj.id)
+        if self.insert_on_use and not self.in_fast(obj):
             super().prefetch(obj, force=True)
 
-    def on_fast(self, obj: Object) -> None:
-        self._order[obj.id] = None
-
-    def on_slow(self, obj: Object) -> None:
-        self._order.pop(obj.id, None)
+    def on_move(self, obj: Object, old: Device | None, new: Device) -> None:
+        if old is not None:
+            self._orders[old.name].pop(obj.id, None)
+        self._orders[new.name][obj.id] = None
+        super().on_move(obj, old, new)
 
     def on_softevict(self, obj: Object) -> None:
-        if obj.id in self._order:
-            self._order.move_to_end(obj.id, last=False)
+        order = self._orders[self.m.primary(obj).device.name]
+        if obj.id in order:
+            order.move_to_end(obj.id, last=False)
 
     def forget(self, obj_id: int, regions: dict[str, Region]) -> None:
-        self._order.pop(obj_id, None)
+        for order in self._orders.values():
+            order.pop(obj_id, None)
 
     def unsafe_free(self, obj: Object) -> None:
         if self.honor_frees:
@@ -70,18 +91,19 @@ class LRUPolicy(Policy):
         else:
             self.m.record("frees_ignored")
 
-    def prefetch(self, obj: Object, force: bool = False) -> bool:
+    def prefetch(self, obj: Object, force: bool = False, to: Device | None = None) -> bool:
         if not self.prefetch_hints:
             self.m.record("prefetches_ignored")
-            return self.in_fast(obj)
-        return super().prefetch(obj, force)
+            target = self.prefetch_target(obj) if to is None else to
+            return self.m.level(self.m.primary(obj).device) <= self.m.level(target)
+        return super().prefetch(obj, force, to)
 
     def check(self) -> None:
         super().check()
         m = self.m
-        in_fast = {o.id for o in m.objects() if m.in_device(m.primary(o), self.fast)}
-        tracked = {i for i in self._order if m.getobject(i) is not None}
-        if in_fast != tracked:
-            from ..errors import InvariantError
-            raise InvariantError(f"LRU order disagrees with the fast device: untracked {sorted(in_fast - tracked)[:5]}, "
-                                 f"stale {sorted(tracked - in_fast)[:5]}")
+        for dev in self.levels:
+            here = {o.id for o in m.objects() if m.in_device(m.primary(o), dev)}
+            tracked = {i for i in self._orders[dev.name] if m.getobject(i) is not None}
+            if here != tracked:
+                raise InvariantError(f"LRU order of {dev.name} disagrees with the device: untracked "
+                                     f"{sorted(here - tracked)[:5]}, stale {sorted(tracked - here)[:5]}")

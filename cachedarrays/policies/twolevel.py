@@ -1,7 +1,8 @@
 """`TwoLevelCachePolicy`: software model of the hardware DRAM cache (Intel's 2LM memory mode).
 
-Every object lives in the slow device; a use copies it into the fast device
-(insert on use, LRU replacement); dirty data is written back when evicted; and
+Every object lives in the slowest level; a use copies it into the fastest
+(insert on use, LRU replacement on every level, evictions cascading down);
+dirty data is written back when evicted; and
 frees carry no meaning, so dirty data of dead objects is written back too.
 Hints (`prefetch`, `evict`, `softevict`) are ignored, as hardware would.
 """
@@ -22,7 +23,7 @@ class TwoLevelCachePolicy(LRUPolicy):
     def __repr__(self) -> str:
         return "TwoLevelCachePolicy()"
 
-    def evict(self, obj: Object) -> None:
+    def evict(self, obj: Object, to=None) -> None:
         self.m.record("evicts_ignored")
 
     def on_softevict(self, obj: Object) -> None:
@@ -30,7 +31,8 @@ class TwoLevelCachePolicy(LRUPolicy):
 
     def forget(self, obj_id: int, regions: dict[str, Region]) -> None:
         super().forget(obj_id, regions)
-        fast, slow = regions.get(self.fast.name), regions.get(self.slow.name)
-        if fast is not None and slow is not None and self.m.isdirty(fast):
-            self.m.copyto(slow, fast)  # hardware writes back dead dirty lines too
+        chain = [regions[dev.name] for dev in self.levels if dev.name in regions]
+        home = regions.get(self.slow.name)
+        if home is not None and any(self.m.isdirty(r) for r in chain[:-1]):
+            self.m.copyto(home, chain[0])  # hardware writes back dead dirty lines too
             self.m.record("dead_writebacks")
