@@ -87,8 +87,9 @@ class CachedArray(NDArrayOperatorsMixin):
             dtype = _check_dtype(np.float64 if dtype is None else dtype)
         else:
             if isinstance(data_or_shape, CachedArray):
-                with readable(data_or_shape) as src:
-                    source = np.array(src, dtype=dtype, order="C")
+                source = np.array(data_or_shape, dtype=dtype, order="C")
+            elif hasattr(data_or_shape, "__cuda_array_interface__"):  # a CuPy array: copied device to device
+                source = data_or_shape if dtype is None else data_or_shape.astype(dtype)
             else:
                 source = np.asarray(data_or_shape, dtype=dtype)
             dtype, shape = _check_dtype(source.dtype), source.shape
@@ -99,7 +100,7 @@ class CachedArray(NDArrayOperatorsMixin):
         self.object = allocate(max(self.nbytes, 1))
         if source is not None and self.nbytes:
             with writable(self) as dst:
-                dst[...] = source
+                assign_into(dst, source)
 
     # ------------------------------------------------------------------ basic properties
     @property
@@ -312,6 +313,8 @@ def assign_into(target, value, key=Ellipsis) -> None:
     """``target[key] = value`` where ``target`` is a numpy or CuPy view and ``value`` is numpy, JAX,
     CuPy or anything array-like; GPU targets take device values through DLPack without a host trip."""
     if isinstance(target, np.ndarray):
+        if hasattr(value, "__cuda_array_interface__"):
+            value = value.get()  # a CuPy array into host memory
         target[key] = np.asarray(value)
         return
     from .devices.gpu import cupy

@@ -93,7 +93,7 @@ class Completion:
     def done(self) -> bool:
         if not self._issued.is_set():
             return False
-        return self.cuda_end is None or self.error is not None or bool(self.cuda_end.query())
+        return self.cuda_end is None or self.error is not None or bool(self.cuda_end.done)
 
     def wait(self, account: bool = True) -> float:
         """Block until the copy is done; returns the seconds spent blocked (0 if it was done).

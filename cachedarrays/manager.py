@@ -779,7 +779,7 @@ class Manager:
             if not completion.done():
                 keep.append(entry)
                 continue
-            if completion.gpu_uses and not all(e.query() for e in completion.gpu_uses):
+            if completion.gpu_uses and not all(e.done for e in completion.gpu_uses):
                 keep.append(entry)  # the exposed time is known once the consumer got there
                 continue
             completion.settled = True

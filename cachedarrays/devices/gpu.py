@@ -154,7 +154,7 @@ class CudaUse:
         self.cuda_event.record(stream if stream is not None else cp.cuda.get_current_stream())
 
     def done(self) -> bool:
-        return bool(self.cuda_event.query())
+        return bool(self.cuda_event.done)
 
     def wait(self) -> float:
         self.cuda_event.synchronize()
@@ -190,7 +190,7 @@ def wait_on_stream(waitables, stream) -> None:
     for w in waitables:
         if isinstance(w, Completion):
             w._issued.wait()
-            if w.cuda_end is not None and w.error is None and not w.cuda_end.query():
+            if w.cuda_end is not None and w.error is None and not w.cuda_end.done:
                 mark = cp.cuda.Event()
                 mark.record(stream)
                 w.gpu_uses.append(mark)
