@@ -11,7 +11,8 @@ and ``np.asarray`` pin their inputs for the duration of the call, and array
 results come back as new CachedArrays allocated through the policy.
 
 When the primary is on a GPU, views are device arrays: ``with readable(x) as a`` gives a
-zero-copy JAX array, ``with writable(x) as w`` (and ``.array``) a CuPy array, and
+zero-copy JAX array (a CuPy array for 64-bit dtypes unless ``jax_enable_x64`` is set, since
+JAX would narrow them), ``with writable(x) as w`` (and ``.array``) a CuPy array, and
 ``jax.dlpack.from_dlpack(readable(x))`` works too.  None of these block the host on a copy in
 flight: the consumer's stream waits for it (the DLPack stream handshake), and releasing the
 view records the consumer's work, so the region's bytes are not moved or reused under it.
@@ -22,6 +23,7 @@ Element indexing and ``np.asarray`` of a GPU-resident array copy to the host.
 from __future__ import annotations
 
 import enum
+import warnings
 import weakref
 from typing import Any
 
@@ -155,14 +157,14 @@ class CachedArray(NDArrayOperatorsMixin):
             arr.flags.writeable = False
         return arr
 
-    def _gpu_view(self, region, write: bool, stream=None):
+    def _gpu_view(self, region, write: bool, stream=None, mark=None):
         """A CuPy view of a GPU region, ordered after its copies on ``stream`` (default: CuPy's current)."""
         from .devices.gpu import cupy
         cp = cupy()
         if self.dtype.fields is not None:
             raise TypeError(f"a GPU-resident array of structured dtype {self.dtype} has no CuPy view; "
                             f"evict it to a host device to read it")
-        self.manager.ready_on(region, cp.cuda.get_current_stream() if stream is None else stream, write)
+        self.manager.ready_on(region, cp.cuda.get_current_stream() if stream is None else stream, write, mark)
         raw = self.manager.bytes(region, wait=False)[:self.nbytes]
         return raw.view(self.dtype).reshape(self.shape)
 
@@ -197,7 +199,7 @@ class CachedArray(NDArrayOperatorsMixin):
 
     def __enter__(self):
         try:
-            if self._status is Status.ReadOnly and self._on_gpu():
+            if self._status is Status.ReadOnly and self._on_gpu() and _jax_holds(self.dtype):
                 import jax
                 return jax.dlpack.from_dlpack(self)
             return self.array
@@ -292,14 +294,24 @@ class CachedArray(NDArrayOperatorsMixin):
 
     def _gpu_export(self, region, stream, kwargs):
         """DLPack export of a GPU region: the consumer's ``stream`` waits for the region's copies."""
-        from .devices.gpu import cupy
-        cp = cupy()
-        consumer = cp.cuda.ExternalStream(stream) if isinstance(stream, int) and stream > 2 else None
-        view = self._gpu_view(region, write=self._status is Status.ReadWrite, stream=consumer)
         import jax
-        for d in jax.devices():
-            if d.platform == "gpu" and getattr(d, "local_hardware_id", d.id) == region.device.index:
-                self._gpu_consumers.add(d)
+        from .devices.gpu import JaxUse, cupy
+        cp = cupy()
+        consumer = None
+        if isinstance(stream, int) and stream > 2:
+            with warnings.catch_warnings():  # CuPy 14 prefers Stream.from_external for protocol objects
+                warnings.simplefilter("ignore", DeprecationWarning)
+                consumer = cp.cuda.ExternalStream(stream)
+        device = next((d for d in jax.devices() if d.platform == "gpu"
+                       and getattr(d, "local_hardware_id", d.id) == region.device.index), None)
+        mark = None
+        if device is not None:
+            self._gpu_consumers.add(device)
+            if region.fill is not None and not region.fill.done():
+                # JAX hands out a side stream for the handshake: where its compute stream reaches
+                # this use is marked by a tiny computation dispatched now
+                mark = JaxUse(device).cuda_event
+        view = self._gpu_view(region, write=self._status is Status.ReadWrite, stream=consumer, mark=mark)
         return view.__dlpack__(stream=stream, **kwargs)
 
     def __dlpack_device__(self):
@@ -336,6 +348,13 @@ def assign(view: "CachedArray", value) -> None:
     if not isinstance(view, CachedArray) or view.status is not Status.ReadWrite:
         raise StatusError("assign needs a writable(x) view")
     assign_into(view.array, value)
+
+
+def _jax_holds(dtype: np.dtype) -> bool:
+    """Whether JAX keeps ``dtype`` as it is (64-bit types need ``jax_enable_x64``; else they would
+    be narrowed, so GPU views of them stay CuPy arrays)."""
+    import jax
+    return jax.dtypes.canonicalize_dtype(dtype) == dtype
 
 
 def _to_host(result):

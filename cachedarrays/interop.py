@@ -29,6 +29,12 @@ def _managers(tree: Any, found: set) -> None:
 
 def _pin(tree: Any, stack: ExitStack, write: bool) -> Any:
     if isinstance(tree, CachedArray):
+        if tree._on_gpu():  # NumPy runs on the host: inputs come over as copies
+            if write:
+                from .errors import StatusError
+                raise StatusError("a GPU-resident CachedArray cannot be a NumPy out= argument; write it through "
+                                  "writable(x) (a CuPy view) or cachedarrays.assign, or evict it to a host device")
+            return np.asarray(tree)
         if tree.status is Status.ReadWrite or (tree.status is Status.ReadOnly and not write):
             return tree.array
         if tree.status is Status.ReadOnly:

@@ -444,14 +444,16 @@ class Manager:
                 self._raise_failed(record)
         return blocked
 
-    def ready_on(self, region: Region, stream, write: bool = True) -> None:
+    def ready_on(self, region: Region, stream, write: bool = True, mark=None) -> None:
         """Make the GPU ``stream`` wait until ``region`` can be read (or written): like `ready`, but
-        the host does not block on copies that run on a CUDA stream (the DLPack stream handshake)."""
+        the host does not block on copies that run on a CUDA stream (the DLPack stream handshake).
+        ``mark``: an event where the consumer's work reaches this point (for exposed-time telemetry)."""
         from .devices.gpu import wait_on_stream
         self._live(region)
         record = region.owner
         fill = region.fill
-        wait_on_stream([w for w in (fill, *(region.drains if write else ())) if w is not None and not w.done()], stream)
+        wait_on_stream([w for w in (fill, *(region.drains if write else ())) if w is not None and not w.done()],
+                       stream, mark)
         if (fill is not None and fill.error is not None) or (record is not None and record.error is not None):
             with self._locked():
                 self._reap()
@@ -749,8 +751,10 @@ class Manager:
 
     @staticmethod
     def _copy_order(dst: Region, src: Region) -> list[Waitable]:
-        """What a copy from ``src`` to ``dst`` must wait for: src's fill, dst's fill and uses."""
-        return [w for w in (src.fill, dst.fill, *dst.drains) if w is not None and not w.done()]
+        """What a copy from ``src`` to ``dst`` must wait for: src's fill and its consumers' uses (a
+        GPU writer's stores may still be queued), dst's fill and everything still reading it."""
+        src_uses = [w for w in src.drains if not isinstance(w, Completion)]
+        return [w for w in (src.fill, *src_uses, dst.fill, *dst.drains) if w is not None and not w.done()]
 
     def _noop(self, src: Region) -> Completion:
         completion = Completion(src.device.name, src.device.name, 0)

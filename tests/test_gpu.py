@@ -1,5 +1,7 @@
 """The GPU level: a GPU over DRAM over PM, copies on CUDA streams, JAX and CuPy views (needs a GPU)."""
 
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import settings
@@ -109,11 +111,11 @@ def test_overlap_of_an_upload_with_jax_compute_is_recorded_as_hidden():
 class GPUMachine(ThreeLevelMachine):
     """The three-level policy machine with the GPU on top (numeric dtypes: CuPy has no structured ones)."""
 
-    def __init__(self):
-        super().__init__()
-        self.m.close()
-        self.m = Manager(GPU("384KiB"), DRAM("192KiB"), PM(None, "32MiB"),
-                         policy=self.policy_factory(), copy_workers=self.workers)
+    def make_manager(self):
+        with warnings.catch_warnings():  # the PM file cannot be page-locked: its GPU copies are staged
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return Manager(GPU("384KiB"), DRAM("192KiB"), PM(None, "32MiB"), policy=self.policy_factory(),
+                           copy_workers=self.workers)
 
     @rule(shape=st.lists(st.integers(1, 90), min_size=1, max_size=3),
           dtype=st.sampled_from([np.float32, np.int16, np.uint8, np.float64]))
@@ -139,8 +141,8 @@ class GPUMachine(ThreeLevelMachine):
     @rule(data=st.data())
     def read(self, data):
         _, (x, mirror) = self._pick(data)
-        with readable(x) as a:
-            assert same(np.asarray(a), mirror)
+        with readable(x) as a:  # JAX, or CuPy for 64-bit dtypes
+            assert same(a.get() if hasattr(a, "get") else np.asarray(a), mirror)
 
 
 def _address(v):
@@ -152,7 +154,7 @@ def _gpu_machine(factory, workers):
     cls = type(f"GPU_{factory.__name__}_{workers}", (GPUMachine,),
                {"policy_factory": staticmethod(factory), "workers": workers})
     case = cls.TestCase
-    case.settings = settings(max_examples=10, stateful_step_count=30, deadline=None)
+    case.settings = settings(max_examples=8, stateful_step_count=30, deadline=None)
     return case
 
 

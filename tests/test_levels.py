@@ -16,7 +16,7 @@ from cachedarrays import (DRAM, PM, CachedArray, CopyError, DeviceUnavailableErr
                           OutOfMemoryError, TwoLevelCachePolicy, readable, writable)
 from cachedarrays.devices import gpu
 
-from test_policies import PolicyMachine, readme_policy, same
+from test_policies import PolicyMachine, readme_policy
 
 pytestmark = pytest.mark.usefixtures("young_gc")
 
@@ -280,10 +280,8 @@ class ThreeLevelMachine(PolicyMachine):
 
     workers = 1
 
-    def __init__(self):
-        super().__init__()
-        self.m.close()
-        self.m = three(self.policy_factory(), top="384KiB", middle="192KiB", bottom="32MiB", workers=self.workers)
+    def make_manager(self):
+        return three(self.policy_factory(), top="384KiB", middle="192KiB", bottom="32MiB", workers=self.workers)
 
     @precondition(lambda self: self.arrays)
     @rule(data=st.data(), level=st.integers(0, 2), force=st.booleans())

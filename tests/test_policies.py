@@ -182,11 +182,14 @@ class PolicyMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.m = make(self.policy_factory(), fast="512KiB", slow="32MiB")
+        self.m = self.make_manager()
         self.arrays: dict[int, tuple] = {}
         self.views: list = []
         self.rng = np.random.default_rng(0)
         self.next_key = 0
+
+    def make_manager(self):
+        return make(self.policy_factory(), fast="512KiB", slow="32MiB")
 
     def teardown(self):
         self.views.clear()

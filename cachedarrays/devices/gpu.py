@@ -150,7 +150,7 @@ class CudaUse:
 
     def __init__(self, stream=None):
         cp = cupy()
-        self.cuda_event = cp.cuda.Event(disable_timing=True)
+        self.cuda_event = cp.cuda.Event()  # timed: it may mark where a consumer waited on a copy
         self.cuda_event.record(stream if stream is not None else cp.cuda.get_current_stream())
 
     def done(self) -> bool:
@@ -161,38 +161,40 @@ class CudaUse:
         return 0.0
 
 
-class JaxUse:
-    """JAX's use of a region it received through DLPack.
+class JaxUse(CudaUse):
+    """JAX's use of a region it received through DLPack, as a CUDA event.
 
     JAX runs a device's computations in dispatch order, so a tiny computation dispatched when
     the view is released is done only after every computation that read the region before.
+    Importing its result into CuPy makes a side stream wait for it (the DLPack handshake in the
+    other direction); an event recorded there lets copies wait for JAX on the GPU.
     """
 
-    __slots__ = ("marker",)
+    _stream = None
 
     def __init__(self, jax_device):
-        import jax
         import jax.numpy as jnp
-        self.marker = jax.device_put(jnp.zeros((), jnp.int32), jax_device) + 1
+        cp = cupy()
+        marker = jnp.zeros((), jnp.int32, device=jax_device) + 1
+        if JaxUse._stream is None:
+            JaxUse._stream = cp.cuda.Stream(non_blocking=True)
+        with JaxUse._stream:
+            cp.from_dlpack(marker)
+        super().__init__(JaxUse._stream)
 
-    def done(self) -> bool:
-        return self.marker.is_ready()
 
-    def wait(self) -> float:
-        self.marker.block_until_ready()
-        return 0.0
-
-
-def wait_on_stream(waitables, stream) -> None:
+def wait_on_stream(waitables, stream, mark=None) -> None:
     """Make ``stream`` wait for copies and uses (on the GPU where they run on a stream, else on
-    the host), recording when it began waiting so telemetry can tell exposed copy time."""
+    the host).  ``mark`` is an event at the point where the consumer's own work reaches the wait
+    (default: one recorded on ``stream`` now); telemetry counts a copy's time after it as exposed."""
     cp = cupy()
     for w in waitables:
         if isinstance(w, Completion):
             w._issued.wait()
             if w.cuda_end is not None and w.error is None and not w.cuda_end.done:
-                mark = cp.cuda.Event()
-                mark.record(stream)
+                if mark is None:
+                    mark = cp.cuda.Event()
+                    mark.record(stream)
                 w.gpu_uses.append(mark)
                 stream.wait_event(w.cuda_end)
         elif getattr(w, "cuda_event", None) is not None:
