@@ -341,13 +341,17 @@ def assign_into(target, value, key=Ellipsis) -> None:
     target[key] = value
 
 
-def assign(view: "CachedArray", value) -> None:
-    """Write ``value`` (e.g. a JAX result) into the bytes of the writable view ``view``, on the
-    device where they live: ``with writable(x) as w: ...`` then ``assign(wv, y)`` or simply
-    ``assign(writable(x), y)``.  Shapes broadcast as in NumPy."""
-    if not isinstance(view, CachedArray) or view.status is not Status.ReadWrite:
-        raise StatusError("assign needs a writable(x) view")
-    assign_into(view.array, value)
+def assign(view, value) -> None:
+    """Write ``value`` (e.g. a JAX result) into a writable view, on the device where its bytes
+    live: ``with writable(x) as w: assign(w, y)``.  ``view`` is what ``with writable(x)`` gives
+    (a numpy or CuPy array) or the `writable` wrapper itself.  Shapes broadcast as in NumPy."""
+    if isinstance(view, CachedArray):
+        if view.status is not Status.ReadWrite:
+            raise StatusError("assign needs a writable(x) view, not a NotBusy or ReadOnly one")
+        view = view.array
+    elif isinstance(view, np.ndarray) and not view.flags.writeable:
+        raise StatusError("assign needs a writable view; this array is read-only")
+    assign_into(view, value)
 
 
 def _jax_holds(dtype: np.dtype) -> bool:

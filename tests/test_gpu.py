@@ -51,9 +51,8 @@ def test_the_issue_example_prefetch_use_write_evict():
         ca.prefetch(x)                                   # PM -> GPU, staged or direct, on a copy stream
         with readable(x) as a:
             y = jax.jit(lambda v: v @ v)(a)
-        wv = writable(x)                                 # a CuPy view; JAX's result goes in on the GPU
-        ca.assign(wv, y)
-        wv.release()
+        with writable(x) as w:                           # a CuPy view; JAX's result goes in on the GPU
+            ca.assign(w, y)
         ca.evict(x)                                      # dirty: written back to DRAM
         assert x.device == "DRAM"
         np.testing.assert_allclose(np.asarray(x), host @ host, rtol=2e-3, atol=1e-2)

@@ -406,3 +406,31 @@ class AsyncManagerMachine(RuleBasedStateMachine):
 
 TestAsyncManagerMachine = AsyncManagerMachine.TestCase
 TestAsyncManagerMachine.settings = settings(max_examples=20, stateful_step_count=35, deadline=None)
+
+
+def test_assign_writes_a_jax_result_into_a_writable_view():
+    import jax.numpy as jnp
+    with three() as m:
+        x = CachedArray((1000,), m, np.float32)
+        with writable(x) as w:
+            ca.assign(w, jnp.arange(1000, dtype=jnp.float32) * 2)
+        assert np.array_equal(np.asarray(x), np.arange(1000, dtype=np.float32) * 2)
+        with pytest.raises(ca.StatusError, match="writable"):
+            ca.assign(readable(x), 1.0)
+        with readable(x) as r, pytest.raises(ca.StatusError, match="read-only"):
+            ca.assign(r, 1.0)
+        m.check()
+
+
+def test_telemetry_and_plot_cover_every_level(tmp_path):
+    from cachedarrays.plot import plot_occupancy
+    with three(top="256KiB", middle="256KiB") as m:
+        xs = [CachedArray(np.full(50_000, i, np.float32), m) for i in range(3)]
+        tele = m.telemetry()
+        assert set(tele["occupancy"]) == {"DRAM", "DRAM2", "PM"}
+        assert all(set(u) == {"DRAM", "DRAM2", "PM"} for _, u in tele["timeline"])
+        assert tele["occupancy"]["DRAM2"]["high_water"] >= 200_000
+        path = plot_occupancy(tele, str(tmp_path / "occ.png"))
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+        del xs
