@@ -121,20 +121,10 @@ class GPUMachine(ThreeLevelMachine):
     def create(self, shape, dtype):
         super().create(shape, dtype)
 
-    @precondition(lambda self: self.arrays)
-    @rule(data=st.data())
-    def hold_view(self, data):
-        _, (x, _) = self._pick(data)
-        if len(self.views) < 3:
-            v = readable(x)
-            self.views.append((v, _address(v)))
-
-    @precondition(lambda self: self.views)
-    @rule()
-    def drop_view(self):
-        v, address = self.views.pop(0)
-        assert _address(v) == address
-        v.release()
+    @staticmethod
+    def address(view) -> int:
+        a = view.array
+        return a.data.ptr if hasattr(a.data, "ptr") else a.ctypes.data
 
     @precondition(lambda self: self.arrays)
     @rule(data=st.data())
@@ -142,11 +132,6 @@ class GPUMachine(ThreeLevelMachine):
         _, (x, mirror) = self._pick(data)
         with readable(x) as a:  # JAX, or CuPy for 64-bit dtypes
             assert same(a.get() if hasattr(a, "get") else np.asarray(a), mirror)
-
-
-def _address(v):
-    a = v.array
-    return a.data.ptr if hasattr(a, "data") and hasattr(a.data, "ptr") else a.ctypes.data
 
 
 def _gpu_machine(factory, workers):

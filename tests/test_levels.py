@@ -1,6 +1,5 @@
 """Managers over more than two levels, asynchronous copies, and their faults (CPU: DRAM, DRAM, PM)."""
 
-import gc
 import threading
 import time
 
@@ -16,6 +15,7 @@ from cachedarrays import (DRAM, PM, CachedArray, CopyError, DeviceUnavailableErr
                           OutOfMemoryError, TwoLevelCachePolicy, readable, writable)
 from cachedarrays.devices import gpu
 
+from test_manager import ManagerMachine
 from test_policies import PolicyMachine, readme_policy
 
 pytestmark = pytest.mark.usefixtures("young_gc")
@@ -142,15 +142,21 @@ def test_readme_policy_runs_unchanged_on_three_levels():
 
 
 # ---------------------------------------------------------------------- asynchronous movement
-def test_prefetch_returns_before_the_copy_and_the_use_waits_for_it(monkeypatch):
+@pytest.fixture
+def gate(monkeypatch):
+    """Host copies wait at this gate (for up to 5 s) until the test opens it."""
     gate = threading.Event()
     real = engine.host_copy
 
-    def slow_copy(dst, src):
+    def gated_copy(dst, src):
         gate.wait(5)
         real(dst, src)
 
-    monkeypatch.setattr(engine, "host_copy", slow_copy)
+    monkeypatch.setattr(engine, "host_copy", gated_copy)
+    return gate
+
+
+def test_prefetch_returns_before_the_copy_and_the_use_waits_for_it(gate):
     with three() as m:
         x = CachedArray(np.arange(10_000, dtype=np.float64), m, place="slow")
         ca.prefetch(x)                        # returns while the copy is held at the gate
@@ -184,15 +190,7 @@ def test_a_prefetch_overlaps_compute_on_the_cpu():
         assert copy["hidden_seconds"] > 0 and copy["exposed_seconds"] < copy["measured_seconds"]
 
 
-def test_a_freed_region_is_not_reused_before_its_copy_completes(monkeypatch):
-    gate = threading.Event()
-    real = engine.host_copy
-
-    def slow_copy(dst, src):
-        gate.wait(5)
-        real(dst, src)
-
-    monkeypatch.setattr(engine, "host_copy", slow_copy)
+def test_a_freed_region_is_not_reused_before_its_copy_completes(gate):
     with Manager(DRAM("256KiB"), PM(None, "4MiB"), policy=LRUPolicy()) as m:
         x = CachedArray(np.full(50_000, 3.0, np.float32), m)       # 200 KB in DRAM, dirty
         ca.evict(x)                                               # write-back held at the gate
@@ -224,7 +222,7 @@ def test_an_exception_inside_a_view_with_copies_in_flight_leaves_everything_cons
     with three() as m:
         xs = [CachedArray(np.full(20_000, i, np.float32), m, place="slow") for i in range(4)]
         with pytest.raises(RuntimeError, match="user code"):
-            with readable(xs[0]) as a:
+            with readable(xs[0]):
                 ca.prefetch(xs[1], xs[2], xs[3])
                 raise RuntimeError("user code failed")
         assert not m.pinned(xs[0].object)
@@ -320,30 +318,15 @@ TestThreeTwoLevelCache = _three_machine(TwoLevelCachePolicy, 2)
 TestThreeLRUInsertOnUse = _three_machine(lambda: LRUPolicy(local_alloc=False), 1)
 
 
-class AsyncManagerMachine(RuleBasedStateMachine):
-    """The data management API by hand on three levels with asynchronous copies: contents always match."""
+class AsyncManagerMachine(ManagerMachine):
+    """The manager machine by hand on three levels, copies asynchronous on two workers: a copy may
+    be in flight under every later step, and contents must still match."""
 
     def __init__(self):
-        super().__init__()
+        RuleBasedStateMachine.__init__(self)
         self.m = three(policy=None, top="128KiB", middle="128KiB", bottom="1MiB", workers=2)
         self.objs: dict[int, tuple] = {}
         self.rng = np.random.default_rng(0)
-
-    def teardown(self):
-        self.m.close()
-
-    def _pick(self, data):
-        return self.objs[data.draw(st.sampled_from(sorted(self.objs)))]
-
-    @rule(n=st.integers(1, 30_000), level=st.integers(0, 2))
-    def create(self, n, level):
-        r = self.m.allocate(self.m.levels[level], n)
-        if r is None:
-            return
-        data = self.rng.integers(0, 256, n, dtype=np.uint8)
-        self.m.bytes(r)[:] = data
-        obj = self.m.new_object(r)
-        self.objs[obj.id] = (obj, data.copy())
 
     @precondition(lambda self: self.objs)
     @rule(data=st.data(), level=st.integers(0, 2), switch=st.booleans())
@@ -362,46 +345,6 @@ class AsyncManagerMachine(RuleBasedStateMachine):
         self.m.copyto_async(y, x)
         if switch:
             self.m.set_primary(obj, y)     # the next read of y waits for the copy
-
-    @precondition(lambda self: self.objs)
-    @rule(data=st.data(), value=st.integers(0, 255))
-    def write(self, data, value):
-        obj, mirror = self._pick(data)
-        x = self.m.primary(obj)
-        i = data.draw(st.integers(0, x.nbytes - 1))
-        self.m.bytes(x)[i] = value      # waits for x's fill and for copies reading x
-        mirror[i] = value
-        for r in self.m.regions_of(obj):
-            if r is not x:              # the linked copies are stale now
-                self.m.unlink(x, r)
-                self.m.free(r)
-
-    @precondition(lambda self: self.objs)
-    @rule(data=st.data())
-    def drop_linked(self, data):
-        obj, _ = self._pick(data)
-        x = self.m.primary(obj)
-        for r in self.m.regions_of(obj):
-            if r is not x:
-                self.m.unlink(x, r)
-                self.m.free(r)           # may still be read by a copy in flight: its bytes stay busy
-
-    @precondition(lambda self: self.objs)
-    @rule(data=st.data(), by_gc=st.booleans())
-    def free(self, data, by_gc):
-        key = data.draw(st.sampled_from(sorted(self.objs)))
-        obj, _ = self.objs.pop(key)
-        if not by_gc:
-            self.m.free(obj)
-        del obj
-        gc.collect()
-
-    @invariant()
-    def contents_match(self):
-        self.m.check()
-        for obj, mirror in self.objs.values():
-            for r in self.m.regions_of(obj):
-                assert np.array_equal(self.m.bytes(r), mirror)
 
 
 TestAsyncManagerMachine = AsyncManagerMachine.TestCase

@@ -251,14 +251,18 @@ class PolicyMachine(RuleBasedStateMachine):
         _, (x, _) = self._pick(data)
         if len(self.views) < 3:
             v = readable(x)
-            self.views.append((v, v.array.ctypes.data))
+            self.views.append((v, self.address(v)))
 
     @precondition(lambda self: self.views)
     @rule()
     def drop_view(self):
         v, address = self.views.pop(0)
-        assert v.array.ctypes.data == address  # a pinned object never moved
+        assert self.address(v) == address  # a pinned object never moved
         v.release()
+
+    @staticmethod
+    def address(view) -> int:
+        return view.array.ctypes.data
 
     @precondition(lambda self: self.arrays)
     @rule(data=st.data())
