@@ -466,14 +466,11 @@ class Manager:
             region.drains = [w for w in region.drains if not w.done()]
             region.drains.append(use)
 
-    def wait_all(self, account: bool = True) -> None:
-        """Wait for every copy in flight and every recorded use of freed bytes.
-
-        ``account=False`` (reporting) does not count the wait as exposed copy time.
-        """
+    def wait_all(self) -> None:
+        """Wait for every copy in flight and every recorded use of freed bytes (a reporting or
+        closing wait: not counted as exposed copy time)."""
         with self._locked():
-            for completion, _, _ in list(self._inflight):
-                completion.wait(account)
+            self._finish_inflight()
             for busy in self._busy.values():
                 for _, _, waitables in busy:
                     for w in waitables:
@@ -589,7 +586,7 @@ class Manager:
         """Compact ``device``; refuses while any object on it is pinned.  Returns the number of moves."""
         with self._locked():
             dev = self._device(device)
-            self.wait_all(account=False)
+            self.wait_all()
             table = self._regions[dev.name]
             pinned = [r.owner.id for r in table.values() if r.owner is not None and r.owner.pins]
             if pinned:
@@ -608,21 +605,19 @@ class Manager:
         """Counters: copies per device pair (bytes, count, measured and modeled seconds),
         allocations, frees, occupancy and high-water marks per device, and an occupancy timeline."""
         with self._locked():
-            for completion, _, _ in list(self._inflight):
-                completion.wait(account=False)  # a snapshot reports finished copies only
-            self._reap()
+            self._finish_inflight()  # a snapshot reports finished copies only
             return self.telemetry_data.snapshot()
 
     def reset_telemetry(self) -> None:
         """Zero every counter and the timeline (e.g. after a warm-up); high-water marks restart from now."""
         with self._locked():
-            for completion, _, _ in list(self._inflight):
-                completion.wait(account=False)  # copies before the reset are counted before it
-            self._reap()
+            self._finish_inflight()  # copies before the reset are counted before it
             self.telemetry_data.reset()
 
     def check(self) -> None:
-        """Cross-check heaps, the registry, links and dirty bits; raise `InvariantError` on the first problem."""
+        """Cross-check heaps, the registry, links and copies in flight (a region allocated over bytes
+        freed with copies still reading or writing them waits for those copies); raise
+        `InvariantError` on the first problem."""
         with self._locked():
             self._reap()
             for dev in self.devices.values():
@@ -675,7 +670,7 @@ class Manager:
             return
         with self._locked():
             try:
-                self.wait_all(account=False)
+                self.wait_all()
             finally:
                 self.closed = True
                 self.engine.close()
@@ -766,6 +761,11 @@ class Manager:
         modeled = copy_seconds(src.nbytes, src.device.bandwidth, dst.device.bandwidth)
         self.telemetry_data.copied(src.device, dst.device, src.nbytes, 0.0, modeled)
         self._inflight.append((completion, dst, src))
+
+    def _finish_inflight(self) -> None:
+        for completion, _, _ in list(self._inflight):
+            completion.wait(account=False)
+        self._reap()
 
     def _reap(self) -> None:
         """Account for finished copies, handle failed ones, forget busy ranges that are idle."""
