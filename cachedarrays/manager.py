@@ -427,17 +427,17 @@ class Manager:
             return completion
 
     def ready(self, region: Region, write: bool = True) -> float:
-        """Block until ``region`` can be read (its fill is done) or, with ``write``, also written
-        (every drain done).  Returns the seconds blocked; raises `CopyError` if its fill failed."""
+        """Block until ``region`` can be read (its fill and its consumers' queued work are done) or,
+        with ``write``, also written (every drain done).  Returns the seconds blocked; raises
+        `CopyError` if its fill failed."""
         self._live(region)
         record = region.owner
         blocked = 0.0
         fill = region.fill
         if fill is not None and not fill.done():
             blocked += fill.wait()
-        if write:
-            for w in list(region.drains):
-                blocked += w.wait()
+        for w in _waits(region, write):
+            blocked += w.wait()
         if (fill is not None and fill.error is not None) or (record is not None and record.error is not None):
             with self._locked():
                 self._reap()
@@ -452,8 +452,7 @@ class Manager:
         self._live(region)
         record = region.owner
         fill = region.fill
-        wait_on_stream([w for w in (fill, *(region.drains if write else ())) if w is not None and not w.done()],
-                       stream, mark)
+        wait_on_stream([w for w in (fill, *_waits(region, write)) if w is not None and not w.done()], stream, mark)
         if (fill is not None and fill.error is not None) or (record is not None and record.error is not None):
             with self._locked():
                 self._reap()
@@ -748,8 +747,7 @@ class Manager:
     def _copy_order(dst: Region, src: Region) -> list[Waitable]:
         """What a copy from ``src`` to ``dst`` must wait for: src's fill and its consumers' uses (a
         GPU writer's stores may still be queued), dst's fill and everything still reading it."""
-        src_uses = [w for w in src.drains if not isinstance(w, Completion)]
-        return [w for w in (src.fill, *src_uses, dst.fill, *dst.drains) if w is not None and not w.done()]
+        return [w for w in (src.fill, *_waits(src, False), dst.fill, *dst.drains) if w is not None and not w.done()]
 
     def _noop(self, src: Region) -> Completion:
         completion = Completion(src.device.name, src.device.name, 0)
@@ -835,6 +833,13 @@ class Manager:
             self._release(region)
         record.regions.clear()
         self.telemetry_data.count("objects_freed")
+
+
+def _waits(region: Region, write: bool) -> list[Waitable]:
+    """What a reader (``write=False``) or writer of ``region`` waits for besides its fill: a writer
+    waits for every drain, a reader for consumers' uses only (a GPU writer's stores may be queued
+    on its stream), not for other copies that read the region."""
+    return list(region.drains) if write else [w for w in region.drains if not isinstance(w, Completion)]
 
 
 def _check_levels(levels: list[Device]) -> None:
