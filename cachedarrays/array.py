@@ -168,15 +168,6 @@ class CachedArray(NDArrayOperatorsMixin):
         raw = self.manager.bytes(region, wait=False)[:self.nbytes]
         return raw.view(self.dtype).reshape(self.shape)
 
-    def _from_gpu(self, f):
-        """``f(cupy_view)`` under a read pin (this view's, or a temporary one)."""
-        v = readable(self) if self._status is Status.NotBusy else self
-        try:
-            return f(v.array)
-        finally:
-            if v is not self:
-                v.release()
-
     def _on_gpu(self) -> bool:
         return self.manager.primary(self.object).device.memory_space != "host"
 
@@ -212,22 +203,25 @@ class CachedArray(NDArrayOperatorsMixin):
 
     # ------------------------------------------------------------------ numpy interop
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        if self._on_gpu():
+        if self._status is Status.NotBusy:
+            if copy is False:
+                raise ValueError("a NotBusy CachedArray cannot be exposed without a copy: use readable(x) for a view")
+            v = readable(self)  # pin first: the use may move the object (insert on use)
+            try:
+                return np.array(_host(v.array), dtype=dtype, copy=True)
+            finally:
+                v.release()
+        arr = self.array
+        if not isinstance(arr, np.ndarray):
             if copy is False:
                 raise ValueError("a GPU-resident CachedArray cannot be exposed to NumPy without a copy")
-            host = self._from_gpu(lambda a: a.get())
+            host = arr.get()
             return host if dtype is None else host.astype(dtype, copy=False)
-        if self._status is not Status.NotBusy:
-            arr = self.array
-            if dtype is not None and np.dtype(dtype) != arr.dtype:
-                if copy is False:
-                    raise ValueError(f"cannot convert {arr.dtype} to {np.dtype(dtype)} without a copy")
-                return arr.astype(dtype)
-            return arr.copy() if copy else arr
-        if copy is False:
-            raise ValueError("a NotBusy CachedArray cannot be exposed without a copy: use readable(x) for a view")
-        with readable(self) as arr:
-            return np.array(arr, dtype=dtype, copy=True)
+        if dtype is not None and np.dtype(dtype) != arr.dtype:
+            if copy is False:
+                raise ValueError(f"cannot convert {arr.dtype} to {np.dtype(dtype)} without a copy")
+            return arr.astype(dtype)
+        return arr.copy() if copy else arr
 
     def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
         from .interop import call_pinned
@@ -240,32 +234,31 @@ class CachedArray(NDArrayOperatorsMixin):
         return call_pinned(func, args, kwargs)
 
     def __getitem__(self, key):
-        if self._on_gpu():
-            return self._from_gpu(lambda a: _to_host(a[_unwrap_key(key)]))
         if self._status is not Status.NotBusy:
-            return self.array[_unwrap_key(key)]
-        with readable(self) as arr:
-            result = arr[_unwrap_key(key)]
-            return result.copy() if isinstance(result, np.ndarray) else result
+            result = self.array[_unwrap_key(key)]
+            return result if isinstance(result, np.ndarray) or not hasattr(result, "get") else _to_host(result)
+        v = readable(self)  # pin first: the use may move the object (insert on use)
+        try:
+            result = v.array[_unwrap_key(key)]
+            if isinstance(result, np.ndarray):
+                return result.copy()
+            return _to_host(result) if hasattr(result, "get") else result
+        finally:
+            v.release()
 
     def __setitem__(self, key, value) -> None:
         if self._status is Status.ReadOnly:
             raise StatusError("cannot write through a ReadOnly view; use writable(x)")
         from .interop import pinned_values
-        if self._on_gpu():
-            with pinned_values(value) as plain:
-                if self._status is Status.ReadWrite:
-                    assign_into(self.array, plain, _unwrap_key(key))
-                else:
-                    with writable(self) as w:
-                        assign_into(w, plain, _unwrap_key(key))
-            return
         with pinned_values(value) as plain:
             if self._status is Status.ReadWrite:
-                self.array[_unwrap_key(key)] = plain
-            else:
-                with writable(self) as arr:
-                    arr[_unwrap_key(key)] = plain
+                assign_into(self.array, plain, _unwrap_key(key))
+                return
+            w = writable(self)
+            try:
+                assign_into(w.array, plain, _unwrap_key(key))
+            finally:
+                w.release()
 
     def __iter__(self):
         for i in range(len(self)):
@@ -327,10 +320,12 @@ def assign_into(target, value, key=Ellipsis) -> None:
     if isinstance(target, np.ndarray):
         if hasattr(value, "__cuda_array_interface__"):
             value = value.get()  # a CuPy array into host memory
-        target[key] = np.asarray(value)
+        target[key] = value
         return
     from .devices.gpu import cupy
     cp = cupy()
+    if hasattr(value, "block_until_ready"):
+        value.block_until_ready()  # a JAX value: computed before CuPy's stream reads it
     if hasattr(value, "__dlpack__") and not isinstance(value, np.ndarray):
         try:
             value = cp.from_dlpack(value)  # JAX/CuPy on the GPU: zero-copy, ordered on CuPy's stream
@@ -359,6 +354,11 @@ def _jax_holds(dtype: np.dtype) -> bool:
     be narrowed, so GPU views of them stay CuPy arrays)."""
     import jax
     return jax.dtypes.canonicalize_dtype(dtype) == dtype
+
+
+def _host(arr):
+    """A numpy array of a view: itself on the host, a copy of a GPU one."""
+    return arr if isinstance(arr, np.ndarray) else arr.get()
 
 
 def _to_host(result):
