@@ -309,10 +309,15 @@ class Pool:
                 old, e.home, e.changed = e.home, region, False
                 if old is not None and old is not region:
                     self._drop(old)
-            for e in [e for e in self._by_id.values() if e.deleted]:
-                self._drop(e.home)
-                del self._by_id[e.obj.id]
+            self._forget_deleted()
+            self.m.collect()  # deleted objects nobody else holds go now
             return self.durable_point
+
+    def _forget_deleted(self) -> None:
+        """After a commit without them: free deleted objects' homes and stop tracking them."""
+        for e in [e for e in self._by_id.values() if e.deleted]:
+            self._drop(e.home)
+            del self._by_id[e.obj.id]
 
     def _stage(self, e: _Entry, fresh: list[Region]) -> Region:
         """A region of the pool's device, not the current home, holding ``e``'s bytes now (to become its home)."""

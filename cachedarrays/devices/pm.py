@@ -168,7 +168,10 @@ class PM(Device):
             self.uses_libpmem = lib is not None
             raw, self.is_pmem, self._persist_raw = self._map(lib, self.path)
             self.layout = layout
-            self._meta = MetaArea(raw, layout, self._persist_raw, self.path) if layout.version >= 2 else None
+            # through the attribute, so that every durable write (data and metadata) passes one place
+            me = weakref.ref(self)
+            self._meta = (MetaArea(raw, layout, lambda off, n: me()._persist_raw(off, n), self.path)
+                          if layout.version >= 2 else None)
             committed, note = self._meta.read() if self._meta is not None else (EMPTY, None)
             buffer = raw[layout.heap_start:layout.file_size]
             prefault(buffer, preserve=self.reopened)
