@@ -2,7 +2,8 @@
 
 Devices (`DRAM`, `PM`) supply memory; the `Manager` tracks objects and their
 regions and exposes the data management API; a `Policy` decides placement and
-movement; `CachedArray` is what programs hold.
+movement; `CachedArray` is what programs hold.  A `Pool` keeps named arrays in a
+PM file across restarts and crashes (`persistent`, `Manager.persist`).
 """
 
 import os
@@ -21,16 +22,19 @@ os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 from .annotations import cleanup, evict, noescape, onobjects, prefetch, preserve, softevict, unsafe_free
 from .array import CachedArray, Status, readable, release, similar, writable
 from .devices import DRAM, PM, Bandwidth, Device, Heap
-from .errors import (CachedArraysError, InvariantError, OutOfMemoryError, PinnedError, PMFormatError,
-                     StatusError, UseAfterFreeError)
+from .errors import (CachedArraysError, InvariantError, ObjectNotFoundError, OutOfMemoryError, PersistentObjectError,
+                     PinnedError, PMCorruptError, PMFormatError, PoolLockedError, PoolMismatchError, StatusError,
+                     UseAfterFreeError)
 from .manager import Manager, Object, Region
 from .policies import LRUPolicy, Policy, TwoLevelCachePolicy
+from .pool import Pool, persistent
 from .units import format_size, parse_size
 
 __all__ = [
     "Bandwidth", "CachedArray", "CachedArraysError", "DRAM", "Device", "Heap", "InvariantError", "LRUPolicy",
-    "Manager", "Object", "OutOfMemoryError", "PM", "PMFormatError", "PinnedError", "Policy", "Region", "Status",
-    "StatusError", "TwoLevelCachePolicy", "UseAfterFreeError", "cleanup", "evict", "format_size", "noescape",
-    "onobjects", "parse_size", "prefetch", "preserve", "readable", "release", "similar", "softevict",
-    "unsafe_free", "writable",
+    "Manager", "Object", "ObjectNotFoundError", "OutOfMemoryError", "PM", "PMCorruptError", "PMFormatError",
+    "PersistentObjectError", "PinnedError", "Policy", "Pool", "PoolLockedError", "PoolMismatchError", "Region",
+    "Status", "StatusError", "TwoLevelCachePolicy", "UseAfterFreeError", "cleanup", "evict", "format_size",
+    "noescape", "onobjects", "parse_size", "persistent", "prefetch", "preserve", "readable", "release", "similar",
+    "softevict", "unsafe_free", "writable",
 ]
