@@ -574,13 +574,6 @@ class Manager:
                 if fn is not None:
                     setattr(self, attr, getattr(self, attr) + (fn,))
 
-    def remove_hooks(self, *, dirty=None, free=None, persist=None) -> None:
-        """Unregister callbacks given to `add_hooks`."""
-        with self._locked():
-            for attr, fn in (("_dirty_hooks", dirty), ("_free_hooks", free), ("_persist_hooks", persist)):
-                if fn is not None:
-                    setattr(self, attr, tuple(h for h in getattr(self, attr) if h != fn))
-
     def persist(self) -> list:
         """Make a durable point: every persistent pool open on this manager writes back the dirty data
         of its named objects and commits (see `cachedarrays.pool`).  Returns the hooks' results

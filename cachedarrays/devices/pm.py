@@ -320,9 +320,6 @@ class PM(Device):
         """Run ``hook()`` at the end of every `check` (the layer above verifies what it keeps here)."""
         self._check_hooks.append(hook)
 
-    def remove_check_hook(self, hook: Callable[[], None]) -> None:
-        self._check_hooks.remove(hook)
-
     def check(self) -> None:
         """The heap's invariants, the committed metadata (checksum re-read from the file, extents occupied),
         unclaimed blocks (an error: the pool was not opened), then the hooks."""
