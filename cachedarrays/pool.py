@@ -35,6 +35,8 @@ How, with object-level dirty tracking and writers that write in place:
   - an object pinned at a durable point may be written through a view taken long before (a
     ``CachedEmbeddings`` base table), so its durable copy is a separate snapshot every time;
   - `Manager.free` of a named object is refused; defragmenting the PM device is refused.
+  Code that writes a named object's bytes through `Manager.bytes` must call `mark_dirty` first,
+  as the policies' ``write_use`` does; a write made before it would land in the durable copy.
 * A durable point writes back each changed object: a DRAM primary is copied into its PM linked
   region (allocated if it has none: never into the old home); a PM primary becomes the home in
   place.  Those bytes are persisted, then one commit publishes the new table, then the old
