@@ -2,7 +2,8 @@
 
 Devices (`GPU`, `DRAM`, `PM`) supply memory; the `Manager` tracks objects and their
 regions and exposes the data management API; a `Policy` decides placement and
-movement; `CachedArray` is what programs hold.
+movement; `CachedArray` is what programs hold.  A `Pool` keeps named arrays in a
+PM file across restarts and crashes (`persistent`, `Manager.persist`).
 """
 
 import os
@@ -21,17 +22,19 @@ os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 from .annotations import cleanup, evict, noescape, onobjects, prefetch, preserve, softevict, unsafe_free
 from .array import CachedArray, Status, assign, readable, release, similar, writable
 from .devices import DRAM, GPU, PM, Bandwidth, Device, Heap
-from .errors import (CachedArraysError, CopyError, DeviceUnavailableError, InvariantError, OutOfMemoryError,
-                     PinnedError, PMFormatError, StatusError, UseAfterFreeError)
+from .errors import (CachedArraysError, CopyError, DeviceUnavailableError, InvariantError, ObjectNotFoundError,
+                     OutOfMemoryError, PersistentObjectError, PinnedError, PMCorruptError, PMFormatError,
+                     PoolLockedError, PoolMismatchError, StatusError, UseAfterFreeError)
 from .manager import Manager, Object, Region
 from .policies import LRUPolicy, Policy, TwoLevelCachePolicy
+from .pool import Pool, persistent
 from .units import format_size, parse_size
 
 __all__ = [
     "Bandwidth", "CachedArray", "CachedArraysError", "CopyError", "DRAM", "Device", "DeviceUnavailableError", "GPU",
-    "Heap", "InvariantError", "LRUPolicy",
-    "Manager", "Object", "OutOfMemoryError", "PM", "PMFormatError", "PinnedError", "Policy", "Region", "Status",
-    "StatusError", "TwoLevelCachePolicy", "UseAfterFreeError", "assign", "cleanup", "evict", "format_size", "noescape",
-    "onobjects", "parse_size", "prefetch", "preserve", "readable", "release", "similar", "softevict",
-    "unsafe_free", "writable",
+    "Heap", "InvariantError", "LRUPolicy", "Manager", "Object", "ObjectNotFoundError", "OutOfMemoryError", "PM",
+    "PMCorruptError", "PMFormatError", "PersistentObjectError", "PinnedError", "Policy", "Pool", "PoolLockedError",
+    "PoolMismatchError", "Region", "Status", "StatusError", "TwoLevelCachePolicy", "UseAfterFreeError", "assign",
+    "cleanup", "evict", "format_size", "noescape", "onobjects", "parse_size", "persistent", "prefetch", "preserve",
+    "readable", "release", "similar", "softevict", "unsafe_free", "writable",
 ]

@@ -40,3 +40,30 @@ class CopyError(CachedArraysError, RuntimeError):
 
 class DeviceUnavailableError(CachedArraysError, RuntimeError):
     """A device cannot be created here: no such hardware, or its optional dependencies are missing."""
+
+
+class PMCorruptError(PMFormatError):
+    """A pool's persistent metadata failed its checksum or is inconsistent; nothing was repaired."""
+
+
+class PoolLockedError(CachedArraysError, RuntimeError):
+    """Another process (or another device in this one) has the pool file open for writing."""
+
+
+class ObjectNotFoundError(CachedArraysError, KeyError):
+    """A persistent pool holds no object of the given name."""
+
+    def __str__(self) -> str:  # KeyError would print the message quoted
+        return str(self.args[0]) if self.args else ""
+
+
+class PoolMismatchError(CachedArraysError, ValueError):
+    """A named object was opened with a shape or dtype other than the one stored with it."""
+
+
+class PersistentObjectError(CachedArraysError, RuntimeError):
+    """An operation would break a persistent pool's guarantees (e.g. freeing a named object behind its back)."""
+
+
+class PMMetadataFullError(CachedArraysError, MemoryError):
+    """A commit's metadata (the name table) does not fit a pool's metadata slot."""

@@ -346,6 +346,8 @@ class Manager:
                 record = self._rec(x)
                 if record.pins:
                     raise PinnedError(f"object {record.id} is pinned by {record.pins} live view(s); release them before freeing")
+                for hook in self._free_hooks:  # may refuse by raising (a persistent pool's named objects)
+                    hook(x)
                 self._free_record(record)
                 return
             self._live(x)
@@ -490,7 +492,10 @@ class Manager:
         return self._live(region).device is device
 
     def mark_dirty(self, region: Region) -> None:
-        self._live(region).dirty = True
+        self._live(region)
+        for hook in self._dirty_hooks:  # before the write lands (persistent pools protect durable copies)
+            hook(region)
+        region.dirty = True
 
     def mark_clean(self, region: Region) -> None:
         self._live(region).dirty = False
@@ -685,6 +690,36 @@ class Manager:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    # ------------------------------------------------------------------ extension hooks (persistent pools)
+    _dirty_hooks: tuple = ()
+    _free_hooks: tuple = ()
+    _persist_hooks: tuple = ()
+
+    def add_hooks(self, *, dirty: Callable[[Region], None] | None = None,
+                  free: Callable[[Object], None] | None = None,
+                  persist: Callable[[], object] | None = None) -> None:
+        """Register callbacks of a layer above the manager (a persistent pool, `cachedarrays.pool`).
+
+        ``dirty(region)`` runs inside `mark_dirty`, before the dirty bit is set and so before the
+        caller writes (a pool moves a durable copy out of the way there); ``free(obj)`` runs before
+        `free` releases an object and may refuse by raising; ``persist()`` runs in `persist`.
+        The manager decides nothing with them.
+        """
+        with self._locked():
+            for attr, fn in (("_dirty_hooks", dirty), ("_free_hooks", free), ("_persist_hooks", persist)):
+                if fn is not None:
+                    setattr(self, attr, getattr(self, attr) + (fn,))
+
+    def persist(self) -> list:
+        """Make a durable point: every persistent pool open on this manager writes back the dirty data
+        of its named objects and commits (see `cachedarrays.pool`).  Returns the hooks' results
+        (each pool's durable point number); raises `RuntimeError` when no pool is open."""
+        with self._locked():
+            if not self._persist_hooks:
+                raise RuntimeError("no persistent pool is open on this manager: open one with "
+                                   "cachedarrays.pool.Pool.open(manager) (or persistent(manager, name, ...))")
+            return [hook() for hook in self._persist_hooks]
 
     # ------------------------------------------------------------------ internals
     def _device(self, device: Device) -> Device:

@@ -10,6 +10,10 @@ budget is a fraction of it (``25%``) or a size (``64MiB``, bytes).  Each mode
 then prints, per iteration: the loss, the time, the bytes copied DRAM->PM and
 PM->DRAM, the peak fast-device use against its capacity (the budget), and the
 modeled movement time.
+
+With one mode, ``--save FILE`` writes a checkpoint (weights, momentum, iteration) at the end and
+every ``--checkpoint-every`` iterations / ``--checkpoint-minutes`` minutes, atomically (a crash
+mid-write keeps the previous one); ``--load FILE`` continues from one up to ``--iterations``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import sys
 from typing import Sequence
 
 from cachedarrays import format_size
+from cachedarrays.checkpoint import CheckpointError, Interval
 
 from .modes import MODES, BudgetTooSmallError
 from .trainer import Config, IterationRecord, RunResult, measure_footprint, run_mode
@@ -57,12 +62,31 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="draw PREFIX-occupancy-MODE.png (device use over the last iteration) and "
                         "PREFIX-bytes.png (bytes moved per mode); needs matplotlib")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--save", default=None, metavar="FILE",
+                   help="write a checkpoint here at the end and at each checkpoint interval (one mode only)")
+    p.add_argument("--load", default=None, metavar="FILE",
+                   help="resume from this checkpoint; --iterations is the total (one mode only)")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N iterations (0: off)")
+    p.add_argument("--checkpoint-minutes", type=float, default=0.0, metavar="M",
+                   help="checkpoint every M minutes (0: off)")
     args = p.parse_args(argv)
     modes = list(MODES) if args.mode == "all" else [m.strip() for m in args.mode.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad:
         p.error(f"unknown mode(s) {bad}; choose from {', '.join(MODES)} or 'all'")
     args.modes = modes
+    if (args.save or args.load) and len(modes) != 1:
+        p.error("--save and --load take exactly one --mode")
+    if args.checkpoint_every < 0 or args.checkpoint_minutes < 0:
+        p.error("--checkpoint-every and --checkpoint-minutes must not be negative")
+    if (args.checkpoint_every or args.checkpoint_minutes) and not args.save:
+        p.error("a checkpoint interval needs --save FILE")
+    if args.save:
+        from cachedarrays.checkpoint import CheckpointError, check_writable
+        try:
+            check_writable(args.save)
+        except CheckpointError as e:
+            p.error(str(e))
     return args
 
 
@@ -111,8 +135,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             results[mode] = run_mode(cfg, mode, args.fast_budget, args.iterations, fp, data, args.pm_dir,
-                                     on_iteration=lambda r: write(describe(r)), progress=progress, after=evaluate)
-        except BudgetTooSmallError as e:
+                                     on_iteration=lambda r: write(describe(r)), progress=progress, after=evaluate,
+                                     save=args.save, load=args.load,
+                                     interval=Interval(args.checkpoint_every, args.checkpoint_minutes),
+                                     on_save=lambda path, i: write(f"  checkpoint written to {path} (iteration {i})"))
+        except (BudgetTooSmallError, CheckpointError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         if mode in accuracy:

@@ -4,7 +4,9 @@
 enough for everything and records the fast high-water mark (the footprint),
 the bytes allocated in an iteration, and the largest kernel working set (the
 smallest budget that works).  `run_mode` then sizes the DRAM device to the
-budget, trains, and returns one record per iteration.
+budget, trains, and returns one record per iteration; with ``save`` it writes
+a checkpoint (weights, momentum, iteration) at an interval and at the end, and
+with ``load`` it resumes from one.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from cachedarrays import CachedArray, Manager, OutOfMemoryError, format_size
+from cachedarrays.checkpoint import CheckpointError, Interval, open_npz, save_npz
 
 from .annotate import Annotations
 from .data import synthetic_batch
@@ -223,6 +226,34 @@ class Session:
         self.records.append(rec)
         return rec
 
+    def save(self, path: str, iteration: int) -> str:
+        """Write the weights, the momentum buffers and ``iteration`` (steps done) to ``path`` atomically."""
+        params = self.trainer.model.params
+        arrays = {f"param{i}": np.asarray(p) for i, p in enumerate(params)}
+        for i, p in enumerate(params):
+            v = self.trainer.opt.state.get(p.object.id)
+            if v is not None:
+                arrays[f"momentum{i}"] = np.asarray(v)
+        return save_npz(path, arrays, {"iteration": int(iteration), "mode": self.mode, "config": asdict(self.cfg)})
+
+    def load(self, path: str) -> int:
+        """Restore weights and momentum from ``path``; returns the iteration to continue at.
+
+        Raises `CheckpointError` for a file that is not a checkpoint of this model."""
+        with open_npz(path) as ck:
+            if ck.meta.get("config") != asdict(self.cfg):
+                raise CheckpointError(f"checkpoint {path} is for another model or training setup: "
+                                      f"{ck.meta.get('config')}, this run {asdict(self.cfg)}")
+            for i, p in enumerate(self.trainer.model.params):
+                for name, target in ((f"param{i}", p), (f"momentum{i}", self.trainer.opt.state.get(p.object.id))):
+                    if target is None:
+                        continue
+                    a = ck[name]
+                    if a.shape != target.shape:
+                        raise CheckpointError(f"checkpoint {path}: {name} has shape {a.shape}, expected {target.shape}")
+                    target[...] = a
+            return int(ck.meta["iteration"])
+
     def close(self) -> RunResult:
         """Check the manager's invariants, close the devices, and return the run's records."""
         tele = self.m.telemetry()
@@ -237,15 +268,30 @@ def run_mode(cfg: Config, mode: str, budget: "str | int | float", iterations: in
              data: Callable[[int], tuple] | None = None, pm_dir: str | None = None,
              on_iteration: Callable[[IterationRecord], None] | None = None,
              progress: Callable[[Iterator[int]], Iterator[int]] | None = None,
-             after: Callable[[Trainer], None] | None = None) -> RunResult:
-    """Train ``iterations`` steps in ``mode`` with a fast device of ``budget`` (``dram``: no budget)."""
+             after: Callable[[Trainer], None] | None = None, save: str | None = None, load: str | None = None,
+             interval: Interval | None = None, on_save: Callable[[str, int], None] | None = None) -> RunResult:
+    """Train up to iteration ``iterations`` in ``mode`` with a fast device of ``budget`` (``dram``: no budget).
+
+    ``load``: resume from this checkpoint (at its iteration).  ``save``: write a checkpoint there
+    whenever ``interval`` is due and at the end (``on_save(path, iteration)`` is told of each).
+    """
     session = Session(cfg, mode, budget, fp, data, pm_dir)
-    its = range(iterations)
     try:
+        start = session.load(load) if load else 0
+        its = range(start, iterations)
         for i in (progress(its) if progress else its):
             rec = session.step(i)
             if on_iteration:
                 on_iteration(rec)
+            if save and interval is not None and interval.enabled and i + 1 < iterations and interval.due(i + 1):
+                session.save(save, i + 1)
+                interval.done()
+                if on_save:
+                    on_save(save, i + 1)
+        if save:
+            session.save(save, max(iterations, start))
+            if on_save:
+                on_save(save, max(iterations, start))
         if after:
             after(session.trainer)
     except BaseException:

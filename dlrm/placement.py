@@ -68,12 +68,15 @@ def cache_rows(nrows: int, cache_fraction: float) -> int:
 
 def make_tables(sizes: Sequence[int], featuresize: int, policy: str, manager: Manager,
                 cache_fraction: float = 0.1, seed: int = 0, names: Sequence[str] | None = None,
-                init: bool = True, hot: Sequence[np.ndarray] | None = None) -> list[EmbeddingTable]:
+                init: bool = True, hot: Sequence[np.ndarray] | None = None,
+                arrays: Sequence[CachedArray] | None = None) -> list[EmbeddingTable]:
     """Create (and initialise) one embedding table per entry of ``sizes`` under ``policy``.
 
     ``manager`` must have the fast device (DRAM) and the slow device (PM) and a policy whose
     ``alloc_fast`` / ``alloc_slow`` place objects there (e.g. ``LRUPolicy()``). ``hot``: per
     table, the rows a ``static`` cache holds (see :func:`hot_rows`); random rows when None.
+    ``arrays``: existing float32 ``(rows, featuresize)`` arrays to build the tables over instead of
+    new ones (e.g. the named objects of a persistent pool); ``dram`` moves them into DRAM.
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -91,7 +94,14 @@ def make_tables(sizes: Sequence[int], featuresize: int, policy: str, manager: Ma
         if need > dev.capacity:
             raise MemoryError(f"table {name} ({n} x {featuresize} float32, {need} bytes) does not fit the "
                               f"{dev.name} device ({dev.capacity} bytes); raise --fast-capacity or choose another policy")
-        x = allocate_table(manager, n, featuresize, where)
+        if arrays is None:
+            x = allocate_table(manager, n, featuresize, where)
+        else:
+            x = arrays[t]
+            if x.shape != (int(n), int(featuresize)) or x.dtype != np.float32:
+                raise ValueError(f"table {name}: given array is {x.shape} {x.dtype}, expected ({n}, {featuresize}) float32")
+            if where == "fast" and not manager.policy.prefetch(x.object, force=True):
+                raise MemoryError(f"table {name} could not be moved into {manager.fast.name}; raise --fast-capacity")
         if init:
             init_table(x, seed, t)
         if cached:

@@ -2,8 +2,15 @@
 
 Flags follow the public reference DLRM (``dlrm_s_pytorch.py``) where they exist; ours are
 ``--policy``, ``--cache-fraction``, ``--fast-capacity``, ``--pm-path``, ``--threads``,
-``--report``, ``--plot``, ``--save`` and ``--load``. The defaults train a small model on
-synthetic data with a hidden teacher in about a minute.
+``--report``, ``--plot``, ``--save``, ``--load``, ``--checkpoint-every``, ``--checkpoint-minutes``
+and ``--resume-from-pool``. The defaults train a small model on synthetic data with a hidden
+teacher in about a minute.
+
+Two ways to survive a restart or a kill -9: ``--save FILE`` with a checkpoint interval writes
+checkpoint files (atomically: a crash mid-write keeps the previous one) and ``--load FILE``
+resumes; or ``--pm-path POOL --resume-from-pool`` keeps the tables themselves in a persistent
+pool, makes a durable point at each interval, and the same command line continues from the last
+durable point without reading any file.
 """
 
 from __future__ import annotations
@@ -82,8 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--report", default=None, help="write a JSON report here")
     o.add_argument("--plot", default=None, help="draw PREFIX_loss.png and PREFIX_phases.png")
     o.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
-    o.add_argument("--save", default=None, help="write a checkpoint here at the end")
+    o.add_argument("--save", default=None, help="write a checkpoint here at the end (and at each checkpoint interval)")
     o.add_argument("--load", default=None, help="resume from this checkpoint (continues at its step)")
+    o.add_argument("--checkpoint-every", type=int, default=0, metavar="STEPS",
+                   help="also checkpoint (--save) or make a durable point (--resume-from-pool) every STEPS batches (0: off)")
+    o.add_argument("--checkpoint-minutes", type=float, default=0.0, metavar="MINUTES",
+                   help="... and/or every MINUTES minutes of training (0: off)")
     m = p.add_argument_group("memory (ours)")
     m.add_argument("--policy", choices=POLICIES, default="dram",
                    help="dram: tables in DRAM; simple: tables in PM; static/dynamic: CachedEmbeddings")
@@ -94,11 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--fast-capacity", default="auto", help="DRAM heap size (auto: what the policy needs)")
     m.add_argument("--slow-capacity", default="auto", help="PM heap size (auto: the tables plus slack)")
     m.add_argument("--pm-path", default=None, help="directory or file for the PM heap (default: a temp dir)")
+    m.add_argument("--resume-from-pool", action="store_true",
+                   help="keep the tables, dense weights and optimizer state in the persistent pool file --pm-path "
+                        "(created if missing) and continue from its last durable point")
     m.add_argument("--threads", type=int, default=0, help="numba threads (0: all cores)")
     return p
 
 
-def make_manager(args, table_bytes: int, featuresize: int):
+def make_manager(args, table_bytes: int, featuresize: int, state_bytes: int = 0):
+    """The DRAM and PM devices for ``args``; ``state_bytes`` (dense weights and optimizer state) sizes a new pool."""
     from cachedarrays import DRAM, PM, LRUPolicy, Manager, parse_size
 
     slack = 64 << 20
@@ -112,7 +127,18 @@ def make_manager(args, table_bytes: int, featuresize: int):
     else:
         fast = parse_size(args.fast_capacity)
     slow = table_bytes + slack if args.slow_capacity == "auto" else parse_size(args.slow_capacity)
-    return Manager(DRAM(fast), PM(args.pm_path, slow), policy=LRUPolicy())
+    if args.slow_capacity == "auto" and args.pm_path is not None and os.path.isfile(args.pm_path):
+        slow = None  # an existing pool file keeps its size
+    elif args.resume_from_pool and args.slow_capacity == "auto":
+        # a changed object keeps its durable copy until the next durable point: room for two of each
+        slow = 2 * (table_bytes + state_bytes) + slack
+    manager = Manager(DRAM(fast), PM(args.pm_path, slow), policy=LRUPolicy())
+    if not args.resume_from_pool and getattr(manager.slow, "unclaimed", None):
+        n = len(manager.slow.unclaimed)
+        manager.close()
+        raise SystemExit(f"error: {args.pm_path} is a persistent pool holding {n} objects of an earlier "
+                         f"--resume-from-pool run; pass --resume-from-pool to continue it, or use another --pm-path")
+    return manager
 
 
 def open_data(args, cfg_bottom: list[int]):
@@ -139,10 +165,38 @@ def open_data(args, cfg_bottom: list[int]):
     return ds, sizes, cfg_bottom[0]
 
 
+def check_args(args) -> None:
+    """Refuse contradictory or unusable persistence flags before any work."""
+    from cachedarrays.checkpoint import check_writable
+
+    if args.resume_from_pool:
+        if args.load:
+            raise SystemExit("error: --load and --resume-from-pool both say where to resume from; pass one")
+        if args.pm_path is None or os.path.isdir(args.pm_path):
+            raise SystemExit("error: --resume-from-pool needs --pm-path to name a pool file (created if missing), "
+                             f"got {'nothing' if args.pm_path is None else 'the directory ' + args.pm_path}")
+    if args.save:
+        check_writable(args.save)
+    if args.checkpoint_every < 0 or args.checkpoint_minutes < 0:
+        raise SystemExit("error: --checkpoint-every and --checkpoint-minutes must not be negative")
+    if (args.checkpoint_every or args.checkpoint_minutes) and not (args.save or args.resume_from_pool):
+        raise SystemExit("error: a checkpoint interval needs --save FILE or --pm-path POOL --resume-from-pool")
+
+
+def state_bytes(cfg: DLRMConfig, optimizer: str) -> int:
+    """Bytes of the dense weights and the tables' optimizer state (kept beside the tables in a pool)."""
+    layers = list(zip(cfg.bottom[:-1], cfg.bottom[1:])) + list(zip(cfg.top_sizes[:-1], cfg.top_sizes[1:]))
+    dense = 4 * sum((a + 1) * b for a, b in layers)
+    return dense + (4 * sum(cfg.table_sizes) if optimizer == "adagrad" else 0)
+
+
 def run(args) -> dict:
     """Train as ``args`` say; returns the report dict (also written to ``--report``)."""
     from tqdm import tqdm
 
+    from cachedarrays.checkpoint import Interval
+
+    check_args(args)
     if args.threads > 0:
         import numba
         numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
@@ -166,19 +220,29 @@ def run(args) -> dict:
         raise SystemExit("error: --num-batches must be positive for synthetic data (or the data set is too small)")
     total = per_epoch * args.nepochs
 
-    with make_manager(args, table_bytes, F) as manager:
+    with make_manager(args, table_bytes, F, state_bytes(cfg, args.optimizer)) as manager:
         t0 = time.perf_counter()
         hot = None
         if args.policy == "static" and args.static_sample_batches > 0:
             n = min(args.static_sample_batches, per_epoch)
             hot = hot_rows((data.batch(i) for i in range(n)), len(sizes),
                            [cache_rows(r, args.cache_fraction) for r in sizes])
-        tables = make_tables(sizes, F, args.policy, manager, args.cache_fraction, args.seed, hot=hot)
+        arrays, meta = checkpoint.pool_tables(manager, sizes, F) if args.resume_from_pool else (None, None)
+        tables = make_tables(sizes, F, args.policy, manager, args.cache_fraction, args.seed, hot=hot,
+                             arrays=arrays, init=meta is None)
+        del arrays
         model = DLRM(cfg, tables, optimizer=args.optimizer, lr=args.learning_rate, seed=args.seed,
                      precision=args.dense_precision)
         start = 0
         if args.load:
             start = int(checkpoint.load(args.load, model)["step"])
+        if args.resume_from_pool:
+            from cachedarrays.pool import Pool
+
+            print(f"pool {Pool.open(manager).recovery}", file=sys.stderr)
+            if meta is not None:
+                start = checkpoint.pool_load(manager, model, meta)
+                print(f"resuming from the pool at step {start}", file=sys.stderr)
         model.warmup(data.batch(start % per_epoch if args.data_generation == "dataset" else start))
         setup = time.perf_counter() - t0
         print(f"DLRM: {len(sizes)} tables ({sum(sizes)} rows x {F}, {table_bytes / 2**20:.1f} MiB) policy={args.policy} "
@@ -211,6 +275,19 @@ def run(args) -> dict:
                             start, total)
         bar = tqdm(total=total, initial=start, disable=args.no_progress, unit="batch", dynamic_ncols=True,
                    file=sys.stderr)
+        interval = Interval(args.checkpoint_every, args.checkpoint_minutes)
+
+        def keep(step: int) -> None:
+            """A checkpoint file and/or a durable point of the pool at ``step``."""
+            with model.timer("checkpoint"):
+                if args.save:
+                    checkpoint.save(args.save, model, step, extra={"policy": args.policy})
+                    tqdm.write(f"checkpoint written to {args.save} (step {step})", file=sys.stderr)
+                if args.resume_from_pool:
+                    point = checkpoint.pool_save(manager, model, step, extra={"policy": args.policy})
+                    tqdm.write(f"durable point {point} of {args.pm_path} (step {step})", file=sys.stderr)
+            interval.done()
+
         try:
             for i, batch in loader:
                 r = model.train_step(batch)
@@ -227,6 +304,8 @@ def run(args) -> dict:
                 if not args.no_progress and (i + 1) % 10 == 0:
                     el = time.perf_counter() - wall0 - eval_seconds
                     bar.set_postfix(loss=f"{r.loss:.4f}", samples_s=f"{(i + 1 - start) * B / max(el, 1e-9):.0f}")
+                if interval.enabled and i + 1 < total and interval.due(i + 1):
+                    keep(i + 1)
                 if args.test_freq > 0 and (i + 1) % args.test_freq == 0 and i + 1 < total:
                     te = time.perf_counter()
                     evaluate(i + 1)
@@ -245,9 +324,8 @@ def run(args) -> dict:
                  for t, dev in zip(tables, table_devices(tables))]
         summary = summarize(model.timer.table(), steps, steps * B, wall, manager.telemetry(), tinfo)
         print(format_summary(summary))
-        if args.save:
-            checkpoint.save(args.save, model, total, extra={"policy": args.policy})
-            print(f"checkpoint written to {args.save} (step {total})", file=sys.stderr)
+        if args.save or args.resume_from_pool:
+            keep(total)
         report = {"args": {k: v for k, v in vars(args).items()}, "config": {
             "table_sizes": list(cfg.table_sizes), "featuresize": F, "bottom": list(cfg.bottom),
             "top": list(cfg.top_sizes), "interaction": cfg.interaction},
@@ -270,4 +348,9 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from cachedarrays import CachedArraysError
+
+    try:
+        main()
+    except CachedArraysError as e:  # a bad checkpoint or pool: one line naming the file and the problem
+        raise SystemExit(f"error: {e}") from None

@@ -188,6 +188,21 @@ def test_dram_mode_moves_nothing_and_cleanup_shrinks_traffic():
     assert l0.counters.get("frees_ignored", 0) > 50
 
 
+def test_checkpoint_interval_and_resume_give_the_same_losses(tmp_path):
+    from cachedarrays.checkpoint import CheckpointError, Interval
+    cfg, fp = TINY["vgg"], footprint("vgg")
+    straight = [r.loss for r in run_mode(cfg, "caLM", "50%", 4, fp).records]
+    ck, saved = str(tmp_path / "ck.npz"), []
+    first = run_mode(cfg, "caLM", "50%", 3, fp, save=ck, interval=Interval(steps=2),
+                     on_save=lambda path, i: saved.append(i))
+    assert saved == [2, 3] and [r.loss for r in first.records] == straight[:3]
+    resumed = run_mode(cfg, "caLM", "50%", 4, fp, load=ck)
+    assert [r.iteration for r in resumed.records] == [3] and [r.loss for r in resumed.records] == straight[3:]
+    other = Config(**{**cfg.__dict__, "lr": 0.5})
+    with pytest.raises(CheckpointError, match="for another model or training setup"):
+        run_mode(other, "caLM", "50%", 4, fp, load=ck)
+
+
 # ---------------------------------------------------------------- the script
 def test_cli_prints_iterations_writes_report_and_plots(tmp_path, capsys):
     from cnn.train import main
@@ -206,11 +221,22 @@ def test_cli_prints_iterations_writes_report_and_plots(tmp_path, capsys):
         assert (tmp_path / name).stat().st_size > 1000
 
 
-def test_cli_help_and_too_small_budget(capsys):
+def test_cli_help_and_too_small_budget(capsys, tmp_path):
     from cnn.train import main
     with pytest.raises(SystemExit) as info:
         main(["--help"])
-    assert info.value.code == 0 and "--fast-budget" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert info.value.code == 0 and "--fast-budget" in out and "--checkpoint-every" in out
+    for bad, message in ((["--mode", "dram,caLM", "--save", "x.npz"], "exactly one --mode"),
+                         (["--checkpoint-every", "2"], "needs --save FILE"),
+                         (["--save", str(tmp_path / "no" / "x.npz")], "does not exist")):
+        with pytest.raises(SystemExit):
+            main(bad)
+        assert message in capsys.readouterr().err
+    (tmp_path / "bad.npz").write_bytes(b"PK\x03\x04 truncated")
+    rc = main(["--model", "vgg", "--depth", "5", "--width", "4", "--batch", "4", "--image", "8", "--iterations", "1",
+               "--mode", "caLM", "--fast-budget", "50%", "--no-progress", "--load", str(tmp_path / "bad.npz")])
+    assert rc == 2 and "bad.npz is not a checkpoint" in capsys.readouterr().err
     rc = main(["--model", "vgg", "--depth", "5", "--width", "4", "--batch", "4", "--image", "8",
                "--iterations", "1", "--mode", "caLM", "--fast-budget", "100", "--no-progress"])
     assert rc == 2 and "smallest budget that works" in capsys.readouterr().err

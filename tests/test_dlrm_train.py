@@ -1,13 +1,20 @@
-"""The training script end to end: learning on synthetic data, checkpoint and resume with
-identical losses, Criteo files (gzip, malformed lines) through preprocessing to training, the
+"""The training script end to end: learning on synthetic data, checkpoint and resume (from a file
+or from a persistent pool, also after kill -9) with identical losses, checkpoint intervals and bad
+checkpoint files, Criteo files (gzip, malformed lines) through preprocessing to training, the
 report and plots, and the demo's fallback."""
 
 import gzip
 import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from cachedarrays.checkpoint import CheckpointError
 from dlrm import train
 from dlrm.placement import POLICIES
 
@@ -41,7 +48,7 @@ def test_training_learns_the_teacher_and_reports_everything(tmp_path, capsys):
 
 @pytest.mark.parametrize("policy,optimizer", [("dram", "adagrad"), ("simple", "sgd")]
                          + [(p, "sgd") for p in POLICIES if p in ("static", "dynamic")])
-def test_resume_from_checkpoint_continues_with_identical_losses(tmp_path, policy, optimizer):
+def test_resume_from_checkpoint_or_pool_continues_with_identical_losses(tmp_path, policy, optimizer, capsys):
     common = ["--policy", policy, "--optimizer", optimizer, "--num-indices-per-lookup", "4",
               "--num-indices-per-lookup-fixed", "False", "--test-freq", "0"]
     straight = run(tmp_path / "a", *common, "--num-batches", "12")
@@ -53,6 +60,79 @@ def test_resume_from_checkpoint_continues_with_identical_losses(tmp_path, policy
     assert [s for s, _ in resumed["losses"]] == list(range(7, 13))
     assert resumed["losses"] == straight["losses"][6:]  # bit-identical continuation
     assert resumed["evals"][-1]["loss"] == straight["evals"][-1]["loss"]
+    # the same from a persistent pool: the tables stay where they are, no file is read
+    pool = ["--pm-path", str(tmp_path / "run.pool"), "--resume-from-pool"]
+    first = train.main(TINY + pool + common + ["--num-batches", "6", "--checkpoint-every", "4"])
+    capsys.readouterr()
+    resumed = train.main(TINY + pool + common + ["--num-batches", "12"])
+    assert "at durable point 2" in capsys.readouterr().err  # the interval's (step 4) and the end's
+    assert first["losses"] == straight["losses"][:6]
+    assert resumed["start_step"] == 6 and resumed["losses"] == straight["losses"][6:]
+    assert resumed["evals"][-1]["loss"] == straight["evals"][-1]["loss"]
+
+
+def test_kill_9_mid_training_resumes_from_the_last_durable_point(tmp_path, capsys):
+    pool = str(tmp_path / "run.pool")
+    args = TINY + ["--pm-path", pool, "--resume-from-pool", "--num-batches", "300", "--checkpoint-every", "3",
+                   "--test-freq", "0", "--print-freq", "1000"]
+    proc = subprocess.Popen([sys.executable, "-m", "dlrm.train"] + args, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    try:
+        for line in proc.stderr:
+            if line.startswith("durable point 2 "):
+                break
+        time.sleep(np.random.default_rng().uniform(0.0, 0.2))  # somewhere in the next steps or durable points
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -9
+    resumed = train.main(args)
+    err = capsys.readouterr().err
+    assert "ended without closing the pool" in err
+    start = resumed["start_step"]
+    assert start >= 6 and start % 3 == 0
+    straight = run(tmp_path / "a", "--num-batches", "300", "--test-freq", "0", "--print-freq", "1000")
+    assert resumed["losses"] == straight["losses"][start:]
+
+
+def test_checkpoint_interval_writes_during_training(tmp_path, capsys):
+    ck = str(tmp_path / "ck.npz")
+    run(tmp_path, "--num-batches", "7", "--test-freq", "0", "--save", ck, "--checkpoint-every", "3")
+    err = capsys.readouterr().err
+    assert [f"(step {s})" in err for s in (3, 6, 7)] == [True] * 3
+    assert train.checkpoint.read_meta(ck)["step"] == 7 and sorted(os.listdir(tmp_path))[0] == "ck.npz"
+
+
+def test_bad_checkpoints_and_persistence_flags_are_clear_errors(tmp_path):
+    truncated, foreign = tmp_path / "cut.npz", tmp_path / "notes.txt"
+    ck = str(tmp_path / "ck.npz")
+    run(tmp_path / "a", "--num-batches", "2", "--test-freq", "0", "--save", ck)
+    truncated.write_bytes(Path(ck).read_bytes()[:3000])
+    foreign.write_text("not a checkpoint")
+    for path, message in ((truncated, "cut.npz is not a checkpoint .*truncated"), (foreign, "notes.txt is not a checkpoint")):
+        with pytest.raises(CheckpointError, match=message):
+            run(tmp_path / "b", "--num-batches", "3", "--load", str(path))
+    cli = subprocess.run([sys.executable, "-m", "dlrm.train"] + TINY + ["--pm-path", str(tmp_path), "--num-batches", "3",
+                         "--load", str(truncated)], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert cli.returncode == 1 and "Traceback" not in cli.stderr
+    assert cli.stderr.strip().splitlines()[-1].startswith(f"error: {truncated} is not a checkpoint")
+    pool = str(tmp_path / "p.pool")
+    with pytest.raises(SystemExit, match="needs --pm-path to name a pool file"):
+        run(tmp_path, "--num-batches", "2", "--resume-from-pool")
+    with pytest.raises(SystemExit, match="--load and --resume-from-pool"):
+        train.main(TINY + ["--pm-path", pool, "--resume-from-pool", "--load", ck])
+    with pytest.raises(SystemExit, match="needs --save FILE or"):
+        run(tmp_path, "--num-batches", "2", "--checkpoint-every", "2")
+    with pytest.raises(CheckpointError, match="directory .* does not exist"):
+        run(tmp_path, "--num-batches", "2", "--save", str(tmp_path / "no" / "ck.npz"))
+    train.main(TINY + ["--pm-path", pool, "--resume-from-pool", "--num-batches", "2", "--test-freq", "0"])
+    with pytest.raises(SystemExit, match="holding 12 objects of an earlier --resume-from-pool run"):
+        train.main(TINY + ["--pm-path", pool, "--num-batches", "2"])
+    with pytest.raises(CheckpointError, match="is for a different architecture"):
+        train.main(TINY[:1] + ["50-200-30-999"] + TINY[2:] + ["--pm-path", pool, "--resume-from-pool",
+                                                                 "--num-batches", "3"])
 
 
 def test_checkpoint_of_another_architecture_is_refused(tmp_path):

@@ -7,6 +7,7 @@ modeled movement time.  Subclasses supply the buffer (`DRAM`, `PM`).
 
 from __future__ import annotations
 
+import ctypes
 from typing import Callable
 
 import numpy as np
@@ -15,16 +16,37 @@ from .heap import Heap, PAGE
 from .perf import Bandwidth
 
 
+_MADV_POPULATE_READ = 22  # Linux 5.14+
+_libc = None
+
+
+def _populate_read(buffer: np.ndarray) -> bool:
+    """Map every page of ``buffer`` for reading with one ``madvise(MADV_POPULATE_READ)``; False if unsupported.
+
+    On a reopened 2 GiB pool file in the page cache this took 3-6 ms where reading a byte of each
+    page took 13-84 ms.
+    """
+    global _libc
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        start = buffer.ctypes.data - buffer.ctypes.data % PAGE
+        return _libc.madvise(start, buffer.ctypes.data + buffer.nbytes - start, _MADV_POPULATE_READ) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def prefault(buffer: np.ndarray, preserve: bool = False) -> None:
     """Touch every page of ``buffer`` so that later accesses do not pay for first-touch faults.
 
-    With ``preserve`` the pages are read (keeping contents), otherwise written with zeros.
+    With ``preserve`` the pages are mapped for reading (keeping contents), otherwise written with zeros.
     """
-    pages = buffer[::PAGE]
     if preserve:
-        int(pages.sum(dtype=np.uint64))
+        if buffer.nbytes and not _populate_read(buffer):
+            int(buffer[::PAGE].sum(dtype=np.uint64))
     else:
-        pages[:] = 0
+        buffer[::PAGE] = 0
 
 
 class Device:

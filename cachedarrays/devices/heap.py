@@ -351,6 +351,21 @@ class Heap:
             self._rebuild(placed + occupied[len(placed):])
         return moves
 
+    def restore(self, occupied: list[tuple[int, int]]) -> None:
+        """Reset the heap to exactly the occupied blocks ``(offset, requested)`` given (a reopened pool's
+        allocation state); raises ``ValueError`` naming the first block that could not have come from
+        this heap (misaligned, overlapping, or past the end), leaving the heap unchanged."""
+        if self._walk_depth:
+            raise RuntimeError("cannot restore a heap while evictfrom is walking it")
+        blocks = sorted((int(o), int(r)) for o, r in occupied)
+        end = 0
+        for off, req in blocks:
+            if req <= 0 or off % alignment_for(req) or off < end or off + round_up(req, ALIGN) > self.capacity:
+                raise ValueError(f"block ({off}, {req} bytes) is not a block this heap could hold "
+                                 f"(capacity {self.capacity}, previous block ends at {end})")
+            end = off + round_up(req, ALIGN)
+        self._rebuild(blocks)
+
     def _rebuild(self, occupied: list[tuple[int, int]]) -> None:
         """Reset the heap to exactly the occupied blocks given, sorted by offset."""
         self._size.clear()
