@@ -22,9 +22,11 @@ class LRUPolicy(Policy):
       reclaims memory.
     - ``prefetch`` (P): `prefetch` hints move data; without it they are ignored.
 
-    Every level keeps its own recency order of the objects whose primary is there, so
-    making room on any level (a cascade GPU -> DRAM -> PM) evicts that level's least
-    recently used first.  `softevict` moves an object to the front of its level's order.
+    Every level but the slowest keeps its own recency order of the objects whose primary is
+    there, so making room on any level (a cascade GPU -> DRAM -> PM) evicts that level's least
+    recently used first; nothing is evicted from the slowest level, so objects there need no
+    order (and other layers, e.g. a persistent pool, may create objects there directly).
+    `softevict` moves an object to the front of its level's order.
     """
 
     def __init__(self, local_alloc: bool = True, honor_frees: bool = True, prefetch: bool = True,
@@ -42,7 +44,7 @@ class LRUPolicy(Policy):
 
     def attach(self, manager: Manager) -> None:
         super().attach(manager)
-        self._orders = {dev.name: OrderedDict() for dev in self.levels}
+        self._orders = {dev.name: OrderedDict() for dev in self.levels[:-1]}
 
     @property
     def _order(self) -> OrderedDict[int, None]:
@@ -56,7 +58,7 @@ class LRUPolicy(Policy):
         return self.victims_on(self.fast, nbytes)
 
     def victims_on(self, device: Device, nbytes: int) -> Iterator[Object]:
-        for obj_id in list(self._orders[device.name]):
+        for obj_id in list(self._orders.get(device.name, ())):
             obj = self.m.getobject(obj_id)
             if obj is not None:
                 yield obj
@@ -64,20 +66,21 @@ class LRUPolicy(Policy):
             yield from self.m.objects_on(device)
 
     def on_use(self, obj: Object, write: bool) -> None:
-        order = self._orders[self.m.primary(obj).device.name]
+        order = self._orders.get(self.m.primary(obj).device.name, {})
         if obj.id in order:
             order.move_to_end(obj.id)
         if self.insert_on_use and not self.in_fast(obj):
             super().prefetch(obj, force=True)
 
     def on_move(self, obj: Object, old: Device | None, new: Device) -> None:
-        if old is not None:
+        if old is not None and old is not self.slow:
             self._orders[old.name].pop(obj.id, None)
-        self._orders[new.name][obj.id] = None
+        if new is not self.slow:
+            self._orders[new.name][obj.id] = None
         super().on_move(obj, old, new)
 
     def on_softevict(self, obj: Object) -> None:
-        order = self._orders[self.m.primary(obj).device.name]
+        order = self._orders.get(self.m.primary(obj).device.name, {})
         if obj.id in order:
             order.move_to_end(obj.id, last=False)
 
@@ -101,7 +104,7 @@ class LRUPolicy(Policy):
     def check(self) -> None:
         super().check()
         m = self.m
-        for dev in self.levels:
+        for dev in self.levels[:-1]:
             here = {o.id for o in m.objects() if m.in_device(m.primary(o), dev)}
             tracked = {i for i in self._orders[dev.name] if m.getobject(i) is not None}
             if here != tracked:
