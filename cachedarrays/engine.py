@@ -51,9 +51,9 @@ class Completion:
     """
 
     __slots__ = ("src", "dst", "nbytes", "submitted", "started", "finished", "error", "waited",
-                 "cuda_start", "cuda_end", "gpu_uses", "settled", "_issued", "__weakref__")
+                 "cuda_start", "cuda_end", "gpu_uses", "settled", "issued", "_event", "__weakref__")
 
-    def __init__(self, src: str, dst: str, nbytes: int):
+    def __init__(self, src: str, dst: str, nbytes: int, background: bool = True):
         self.src = src
         self.dst = dst
         self.nbytes = nbytes
@@ -66,7 +66,8 @@ class Completion:
         self.cuda_end = None
         self.gpu_uses: list = []  # CUDA events recorded on consumer streams that waited on this copy
         self.settled = False  # the manager has accounted for it (and handled its error)
-        self._issued = threading.Event()
+        self.issued = False
+        self._event = threading.Event() if background else None  # a copy on this thread needs none
 
     @property
     def pair(self) -> str:
@@ -87,11 +88,13 @@ class Completion:
         if self.started is None:
             self.started = time.perf_counter()
         self.finished = time.perf_counter()
-        self._issued.set()
+        self.issued = True
+        if self._event is not None:
+            self._event.set()
 
     # ---------------------------------------------------------------- consumer side
     def done(self) -> bool:
-        if not self._issued.is_set():
+        if not self.issued:
             return False
         return self.cuda_end is None or self.error is not None or bool(self.cuda_end.done)
 
@@ -103,13 +106,18 @@ class Completion:
         if self.done():
             return 0.0
         t0 = time.perf_counter()
-        self._issued.wait()
+        self.wait_issued()
         if self.cuda_end is not None and self.error is None:
             self.cuda_end.synchronize()
         blocked = time.perf_counter() - t0
         if account:
             self.waited += blocked
         return blocked
+
+    def wait_issued(self) -> None:
+        """Block until the copy has been run (host) or put on its stream (GPU)."""
+        if not self.issued:
+            self._event.wait()
 
     def duration(self) -> float:
         """Seconds the copy itself took (valid once done)."""
@@ -229,7 +237,7 @@ class CopyEngine:
             completion.wait()
             return completion
         from .copy import copy_bytes
-        completion = Completion(src.name, dst.name, nbytes)
+        completion = Completion(src.name, dst.name, nbytes, background=False)
         wait_all(after)
         completion.start()
         try:

@@ -397,14 +397,14 @@ class Manager:
                 return
             after = self._copy_order(dst, src)
             completion = self.engine.copy_now(dst.device, dst.offset, src.device, src.offset, src.nbytes, after)
-            completion.waited = completion.duration()  # the caller waited for all of it
-            record = dst.owner
-            self._submitted(completion, dst, src)
-            dst.fill = completion
-            self._reap()
-            self._raise_failed(record)
             if completion.error is not None:
+                self.telemetry_data.count("copy_failures")
                 raise CopyError(f"copy from {src} to {dst} failed: {completion.error!r}") from completion.error
+            seconds = completion.duration()  # the caller waited for all of it: exposed
+            self.telemetry_data.copied(src.device, dst.device, src.nbytes, 0.0,
+                                       copy_seconds(src.nbytes, src.device.bandwidth, dst.device.bandwidth))
+            self.telemetry_data.timed(src.device, dst.device, seconds, seconds)
+            dst.fill = None  # whatever filled dst before was waited for
 
     def copyto_async(self, dst: Region, src: Region) -> Completion:
         """Start copying ``src`` into ``dst``; returns at once with the copy's completion.

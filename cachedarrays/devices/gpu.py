@@ -190,7 +190,7 @@ def wait_on_stream(waitables, stream, mark=None) -> None:
     cp = cupy()
     for w in waitables:
         if isinstance(w, Completion):
-            w._issued.wait()
+            w.wait_issued()
             if w.cuda_end is not None and w.error is None and not w.cuda_end.done:
                 if mark is None:
                     mark = cp.cuda.Event()
