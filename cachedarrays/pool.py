@@ -297,6 +297,7 @@ class Pool:
                         staged[name] = self._stage(e, fresh)
                 homes = {name: staged.get(name, e.home) for name, e in self._entries.items()}
                 for r in staged.values():
+                    self.m.ready(r, write=False)  # a write-back into it (an eviction) may be in flight
                     self.device.persist(r.offset, r.nbytes)
                 doc = self._document({name: self._entries[name].record(r) for name, r in homes.items()},
                                      doc_attrs, self.durable_point + 1, time.time())
