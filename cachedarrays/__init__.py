@@ -24,11 +24,12 @@ from .devices import DRAM, GPU, PM, Bandwidth, Device, Heap
 from .errors import (CachedArraysError, CopyError, DeviceUnavailableError, InvariantError, OutOfMemoryError,
                      PinnedError, PMFormatError, StatusError, UseAfterFreeError)
 from .manager import Manager, Object, Region
-from .policies import LRUPolicy, Policy, TwoLevelCachePolicy
+from .policies import CorrelationPrefetchPolicy, LRUPolicy, Policy, TwoLevelCachePolicy
 from .units import format_size, parse_size
 
 __all__ = [
-    "Bandwidth", "CachedArray", "CachedArraysError", "CopyError", "DRAM", "Device", "DeviceUnavailableError", "GPU",
+    "Bandwidth", "CachedArray", "CachedArraysError", "CopyError", "CorrelationPrefetchPolicy", "DRAM", "Device",
+    "DeviceUnavailableError", "GPU",
     "Heap", "InvariantError", "LRUPolicy",
     "Manager", "Object", "OutOfMemoryError", "PM", "PMFormatError", "PinnedError", "Policy", "Region", "Status",
     "StatusError", "TwoLevelCachePolicy", "UseAfterFreeError", "assign", "cleanup", "evict", "format_size", "noescape",
