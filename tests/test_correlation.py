@@ -162,6 +162,34 @@ def test_belady_victims_furthest_next_use_first_and_never_again_before_all():
     m.check()
 
 
+def test_a_dirty_object_not_used_again_ranks_by_its_predicted_free():
+    """Learned: T is born, A and B are used, T is freed (after 3 uses), C is used.  Next iteration, after
+    T' and A: A is next used in the next iteration (5), C at 3, B at 2; T' is never used again, but it is
+    dirty and freed at 3, so writing it back now would be wasted: it ranks as if used at 3 (after C in
+    least-recent order), and A goes first."""
+    clock = Clock()
+    m, pol, (A, B, C) = setup(3, clock)
+
+    def step():
+        clock.t += 1.0
+        pol.mark_iteration()
+        t = CachedArray(np.full(N, 9, np.float32), m)
+        use(A, clock)
+        return t
+
+    t = step()
+    use(B, clock)
+    ca.unsafe_free(t)
+    use(C, clock)
+    t = step()
+    assert pol.learned.frees == {("new", 240_000, 0): 3}
+    assert pol.next_use(t.object.id) == NEVER and pol.predicted_free(t.object.id) == 3
+    assert [v.id for v in pol.victims_on(m.fast, N)] == [x.object.id for x in (A, C, t, B)]
+    CachedArray(np.zeros(N, np.float32), m)            # needs one object's room
+    assert places([A, B, C, t]) == ["PM", "DRAM", "DRAM", "DRAM"]
+    m.check()
+
+
 def test_look_ahead_is_bounded_by_free_fast_memory():
     """With no time bound, the mark prefetches until fast memory holds only objects needed sooner."""
     clock = Clock()
