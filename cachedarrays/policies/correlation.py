@@ -90,9 +90,6 @@ from .lru import LRUPolicy
 Key = tuple  # ("id", object id) or ("new", nbytes, n)
 NEVER = math.inf
 
-COUNTERS = ("uses", "uses_in_fast", "demand_fetches", "learned_prefetches", "learned_prefetches_useful",
-            "learned_prefetches_evicted_unused", "learned_prefetches_freed_unused")
-
 
 class Recording:
     """One iteration's uses: keys in order, seconds since the iteration began, its length in seconds, and
