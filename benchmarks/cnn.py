@@ -59,15 +59,18 @@ def summarise(run) -> dict:
         "copied_dram_to_pm": last.dram_to_pm_bytes, "copied_pm_to_dram": last.pm_to_dram_bytes,
         "kernel_pm_read": last.kernel_slow_read_bytes, "kernel_pm_written": last.kernel_slow_write_bytes,
         "peak_fast": max(r.peak_fast_bytes for r in recs), "fast_capacity": last.fast_capacity,
+        "exposed_movement_seconds": statistics.median(r.exposed_movement_seconds for r in steady),
+        "coverage": last.coverage, "prefetch_accuracy": last.prefetch_accuracy,  # policies that count uses
         "losses": [r.loss for r in recs],
+        "policy_report": run.policy_report,
     }
 
 
-def interleaved(cfg: Config, fp, budget: int, iterations: int, pm_dir) -> dict:
-    """Run dram and every budgeted mode side by side, alternating their iterations (order reversed on odd
-    iterations) so that machine noise hits them alike; returns `summarise` of each, or its error."""
+def interleaved(cfg: Config, fp, budget: int, iterations: int, pm_dir, modes=MODES) -> dict:
+    """Run ``modes`` (dram and budgeted ones) side by side, alternating their iterations (order reversed on
+    odd iterations) so that machine noise hits them alike; returns `summarise` of each, or its error."""
     sessions, out = {}, {}
-    for mode in MODES:
+    for mode in modes:
         try:
             sessions[mode] = Session(cfg, mode, None if mode == "dram" else f"{budget}%", fp, pm_dir=pm_dir)
         except BudgetTooSmallError as e:
@@ -86,7 +89,7 @@ def interleaved(cfg: Config, fp, budget: int, iterations: int, pm_dir) -> dict:
         gc.enable()
     for mode in order:
         out[mode] = summarise(sessions[mode].close())
-    return {m: out[m] for m in MODES}
+    return {m: out[m] for m in modes}
 
 
 def ratio(a: float, b: float) -> float | str:

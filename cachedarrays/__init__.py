@@ -26,15 +26,15 @@ from .errors import (CachedArraysError, CopyError, DeviceUnavailableError, Invar
                      OutOfMemoryError, PersistentObjectError, PinnedError, PMCorruptError, PMFormatError,
                      PoolLockedError, PoolMismatchError, StatusError, UseAfterFreeError)
 from .manager import Manager, Object, Region
-from .policies import LRUPolicy, Policy, TwoLevelCachePolicy
+from .policies import CorrelationPrefetchPolicy, LRUPolicy, Policy, TwoLevelCachePolicy
 from .pool import Pool, persistent
 from .units import format_size, parse_size
 
 __all__ = [
-    "Bandwidth", "CachedArray", "CachedArraysError", "CopyError", "DRAM", "Device", "DeviceUnavailableError", "GPU",
-    "Heap", "InvariantError", "LRUPolicy", "Manager", "Object", "ObjectNotFoundError", "OutOfMemoryError", "PM",
-    "PMCorruptError", "PMFormatError", "PersistentObjectError", "PinnedError", "Policy", "Pool", "PoolLockedError",
-    "PoolMismatchError", "Region", "Status", "StatusError", "TwoLevelCachePolicy", "UseAfterFreeError", "assign",
-    "cleanup", "evict", "format_size", "noescape", "onobjects", "parse_size", "persistent", "prefetch", "preserve",
-    "readable", "release", "similar", "softevict", "unsafe_free", "writable",
+    "Bandwidth", "CachedArray", "CachedArraysError", "CopyError", "CorrelationPrefetchPolicy", "DRAM", "Device",
+    "DeviceUnavailableError", "GPU", "Heap", "InvariantError", "LRUPolicy", "Manager", "Object", "ObjectNotFoundError",
+    "OutOfMemoryError", "PM", "PMCorruptError", "PMFormatError", "PersistentObjectError", "PinnedError", "Policy",
+    "Pool", "PoolLockedError", "PoolMismatchError", "Region", "Status", "StatusError", "TwoLevelCachePolicy",
+    "UseAfterFreeError", "assign", "cleanup", "evict", "format_size", "noescape", "onobjects", "parse_size",
+    "persistent", "prefetch", "preserve", "readable", "release", "similar", "softevict", "unsafe_free", "writable",
 ]

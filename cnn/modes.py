@@ -1,4 +1,4 @@
-"""The operating modes of Table 4.7 and the devices sized for a fast-memory budget.
+"""The operating modes of Table 4.7 plus learned prefetch (``cap``), and the devices sized for a fast-memory budget.
 
 =======  ===========================================================  =============================
 mode     policy                                                       meaning
@@ -11,18 +11,27 @@ ca0      LRUPolicy(local_alloc=False, honor_frees=False,               everythin
 caL      LRUPolicy(local_alloc=True, honor_frees=False, prefetch=False) new objects start fast
 caLM     LRUPolicy(local_alloc=True, honor_frees=True, prefetch=False)  plus frees and cleanup
 caLMP    LRUPolicy(local_alloc=True, honor_frees=True, prefetch=True)   plus prefetching
+cap      CorrelationPrefetchPolicy()                                   learned prefetch: the order
+                                                                      of one iteration's uses is
+                                                                      prefetched ahead in the next,
+                                                                      Belady eviction; frees
+                                                                      honoured, prefetch hints and
+                                                                      softevict ignored, misses
+                                                                      fetched on use
 =======  ===========================================================  =============================
 
 The program is annotated the same way in every mode; a policy without M or P
-ignores those hints, as in the dissertation.
+ignores those hints, as in the dissertation.  ``cap`` needs only the iteration
+boundary, which the trainer marks (`Policy.mark_iteration`) at every step.
 """
 
 from __future__ import annotations
 
-from cachedarrays import DRAM, PM, LRUPolicy, Manager, Policy, TwoLevelCachePolicy, format_size, parse_size
+from cachedarrays import (DRAM, PM, CorrelationPrefetchPolicy, LRUPolicy, Manager, Policy, TwoLevelCachePolicy,
+                          format_size, parse_size)
 
-MODES = ("dram", "2lm", "ca0", "caL", "caLM", "caLMP")
-CA_MODES = ("ca0", "caL", "caLM", "caLMP")
+MODES = ("dram", "2lm", "ca0", "caL", "caLM", "caLMP", "cap")
+CA_MODES = ("ca0", "caL", "caLM", "caLMP", "cap")
 MIN_PM = 16 << 20
 
 
@@ -40,6 +49,8 @@ def make_policy(mode: str) -> Policy:
         return LRUPolicy(local_alloc=True, honor_frees=True, prefetch=False)
     if mode == "caLMP":
         return LRUPolicy(local_alloc=True, honor_frees=True, prefetch=True)
+    if mode == "cap":
+        return CorrelationPrefetchPolicy()
     raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
 
 

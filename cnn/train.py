@@ -9,7 +9,8 @@ The footprint is measured first by one unconstrained (``dram``) iteration; the
 budget is a fraction of it (``25%``) or a size (``64MiB``, bytes).  Each mode
 then prints, per iteration: the loss, the time, the bytes copied DRAM->PM and
 PM->DRAM, the peak fast-device use against its capacity (the budget), and the
-modeled movement time.
+modeled movement time; mode ``cap`` adds its coverage (uses that found their
+object in fast memory) and prefetch accuracy, per iteration and over the run.
 
 With one mode, ``--save FILE`` writes a checkpoint (weights, momentum, iteration) at the end and
 every ``--checkpoint-every`` iterations / ``--checkpoint-minutes`` minutes, atomically (a crash
@@ -91,11 +92,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def describe(rec: IterationRecord) -> str:
-    """One line per iteration, as the script prints it."""
-    return (f"  iter {rec.iteration:3d}  loss {rec.loss:8.5f}  time {rec.seconds:7.3f} s  "
+    """One line per iteration, as the script prints it (with coverage and prefetch accuracy where the
+    policy counts them, as ``cap`` does)."""
+    line = (f"  iter {rec.iteration:3d}  loss {rec.loss:8.5f}  time {rec.seconds:7.3f} s  "
             f"DRAM->PM {format_size(rec.dram_to_pm_bytes):>10}  PM->DRAM {format_size(rec.pm_to_dram_bytes):>10}  "
             f"peak fast {format_size(rec.peak_fast_bytes):>10} / {format_size(rec.fast_capacity):<10}  "
             f"modeled movement {1e3 * rec.modeled_movement_seconds:8.2f} ms")
+    if rec.coverage is not None:
+        line += f"  coverage {100 * rec.coverage:5.1f}%"
+    if rec.prefetch_accuracy is not None:
+        line += f"  accuracy {100 * rec.prefetch_accuracy:5.1f}%"
+    return line
+
+
+def summarise_policy(report: dict) -> str:
+    """One line for a learned-prefetch policy's report over the whole run."""
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.1f}%"
+    return (f"learned prefetch over the run: coverage {pct(report['coverage'])} of {report['uses']} uses, "
+            f"accuracy {pct(report['accuracy'])} ({report['prefetches_useful']} of {report['prefetches_issued']} "
+            f"prefetches used, {report['prefetches_evicted_unused']} evicted unused), "
+            f"{report['demand_fetches']} fetched on use")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -144,6 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         if mode in accuracy:
             print(f"  test accuracy {100 * accuracy[mode]:.1f}% on {len(digits.x_test)} digits")
+        if results[mode].policy_report is not None:
+            print("  " + summarise_policy(results[mode].policy_report))
     if args.report:
         payload = {"config": vars(cfg), "fast_budget": args.fast_budget,
                    "modes": {k: r.as_dict() for k, r in results.items()}}

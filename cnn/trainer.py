@@ -20,6 +20,7 @@ import numpy as np
 
 from cachedarrays import CachedArray, Manager, OutOfMemoryError, format_size
 from cachedarrays.checkpoint import CheckpointError, Interval, open_npz, save_npz
+from cachedarrays.policies.correlation import accuracy_and_coverage
 
 from .annotate import Annotations
 from .data import synthetic_batch
@@ -68,7 +69,12 @@ class Trainer:
         self.m.collect()
 
     def step(self, x_np: np.ndarray, y_np: np.ndarray) -> float:
-        """One training iteration (forward, backward, SGD); returns the loss before the update."""
+        """One training iteration (forward, backward, SGD); returns the loss before the update.
+
+        It starts by marking the iteration boundary for the policy (`Policy.mark_iteration`): a
+        policy that learns the order of uses (mode ``cap``) learns one step's and prefetches the next.
+        """
+        self.m.policy.mark_iteration()
         x = CachedArray(x_np, self.m)
         y = CachedArray(y_np.astype(np.int32), self.m)
         tape = Tape(self.ex, self.ann, self.plan)
@@ -160,6 +166,9 @@ class IterationRecord:
     modeled_seconds: float        # compute (measured time minus measured movement) + modeled movement
     kernel_slow_read_bytes: int   # kernel operands read straight from the slow device
     kernel_slow_write_bytes: int  # kernel outputs written straight to the slow device
+    exposed_movement_seconds: float = 0.0  # of the measured movement, what a use waited for
+    coverage: float | None = None  # uses that found their object in fast memory (policies that count uses)
+    prefetch_accuracy: float | None = None  # learned prefetches used before eviction, of those resolved
     counters: dict = field(default_factory=dict)
 
 
@@ -169,12 +178,13 @@ def iteration_record(i: int, loss: float, seconds: float, m: Manager, ex: Execut
     moved = tele["bytes_moved"]
     f, s = m.fast.name, m.slow.name
     compute = max(0.0, seconds - tele["measured_movement_seconds"])
+    accuracy, coverage = accuracy_and_coverage(tele["counters"])
     return IterationRecord(
         i, loss, seconds, moved.get(f"{f}->{s}", 0), moved.get(f"{s}->{f}", 0),
         tele["occupancy"][f]["high_water"], tele["occupancy"][f]["capacity"],
         tele["measured_movement_seconds"], tele["modeled_movement_seconds"],
         compute + tele["modeled_movement_seconds"], ex.stats.read_slow, ex.stats.written_slow,
-        dict(tele["counters"]))
+        tele["exposed_movement_seconds"], coverage, accuracy, dict(tele["counters"]))
 
 
 @dataclass
@@ -184,10 +194,14 @@ class RunResult:
     footprint: Footprint
     records: list[IterationRecord]
     telemetry: dict            # the manager's telemetry of the last iteration (with its timeline)
+    policy_report: dict | None = None  # the policy's own `report()` over the run, where it has one
 
     def as_dict(self) -> dict:
-        return {"mode": self.mode, "budget_bytes": self.budget, "footprint": asdict(self.footprint),
-                "iterations": [asdict(r) for r in self.records]}
+        out = {"mode": self.mode, "budget_bytes": self.budget, "footprint": asdict(self.footprint),
+               "iterations": [asdict(r) for r in self.records]}
+        if self.policy_report is not None:
+            out["policy_report"] = self.policy_report
+        return out
 
 
 class Session:
@@ -258,10 +272,11 @@ class Session:
         """Check the manager's invariants, close the devices, and return the run's records."""
         tele = self.m.telemetry()
         self.m.check()
+        report = getattr(self.m.policy, "report", None)
         del self.trainer
         self.m.close()
         gc.collect()
-        return RunResult(self.mode, self.fast, self.fp, self.records, tele)
+        return RunResult(self.mode, self.fast, self.fp, self.records, tele, report() if report else None)
 
 
 def run_mode(cfg: Config, mode: str, budget: "str | int | float", iterations: int, fp: Footprint,

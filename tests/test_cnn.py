@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cachedarrays import DRAM, PM, CachedArray, LRUPolicy, Manager, TwoLevelCachePolicy
+from cachedarrays import DRAM, PM, CachedArray, CorrelationPrefetchPolicy, LRUPolicy, Manager, TwoLevelCachePolicy
 from cnn import kernels as K
 from cnn.annotate import Annotations
 from cnn.execute import Executor
@@ -131,10 +131,11 @@ def test_backward_kernels_match_jax_autodiff(family, manager):
 # ---------------------------------------------------------------- modes and budgets
 def test_modes_map_to_the_policies_of_table_4_7():
     assert isinstance(make_policy("2lm"), TwoLevelCachePolicy)
+    assert isinstance(make_policy("cap"), CorrelationPrefetchPolicy)
     flags = {m: (p.local_alloc, p.honor_frees, p.prefetch_hints) for m in MODES if m != "2lm"
              for p in [make_policy(m)]}
     assert flags == {"dram": (True, True, True), "ca0": (False, False, False), "caL": (True, False, False),
-                     "caLM": (True, True, False), "caLMP": (True, True, True)}
+                     "caLM": (True, True, False), "caLMP": (True, True, True), "cap": (True, True, False)}
     assert make_policy("ca0").insert_on_use and make_policy("2lm").collect_at == 0.8
     with pytest.raises(ValueError, match="unknown mode"):
         make_policy("fast")
@@ -155,10 +156,28 @@ def test_every_mode_matches_dram_loss_at_the_smallest_budget(family):
     assert np.isfinite(base).all()
     for mode in MODES[1:]:
         run = run_mode(cfg, mode, fp.min_budget, 2, fp)   # run_mode also runs m.check() at the end
-        np.testing.assert_allclose([r.loss for r in run.records], base, rtol=1e-6, err_msg=mode)
+        assert [r.loss for r in run.records] == base, mode  # bit for bit: movement never changes a byte
         for r in run.records:
             assert r.fast_capacity <= fp.min_budget and r.peak_fast_bytes <= r.fast_capacity
             assert r.dram_to_pm_bytes > 0, f"{mode} at the smallest budget must evict something"
+
+
+def test_learned_prefetch_learns_the_training_step_and_reports_coverage_and_accuracy():
+    """Step 0 is learned (nothing predicted: every miss is fetched on use); from step 1 on, the
+    look-ahead prefetches at least each next use's object, and the report says how well."""
+    cfg, fp = TINY["resnet"], footprint("resnet")
+    run = run_mode(cfg, "cap", "30%", 3, fp)
+    first, later = run.records[0], run.records[1:]
+    assert first.counters.get("learned_prefetches", 0) == 0 and first.counters["demand_fetches"] > 0
+    assert first.prefetch_accuracy is None and 0 < first.coverage < 1
+    for r in later:
+        assert r.counters["learned_prefetches"] > 0 and r.counters["learned_prefetches_useful"] > 0
+        assert r.counters["iterations_marked"] == 1
+    report = run.policy_report
+    assert report["iterations"] == 3 and report["learned_uses"] > 50
+    assert report["uses"] > sum(r.counters["uses"] for r in run.records)  # and the model's construction
+    assert 0 < report["accuracy"] <= 1 and 0 < report["coverage"] <= 1
+    assert run.as_dict()["policy_report"] == report
 
 
 def test_block_granularity_cleanup_gives_the_same_losses():
@@ -208,12 +227,14 @@ def test_cli_prints_iterations_writes_report_and_plots(tmp_path, capsys):
     from cnn.train import main
     out = tmp_path / "r.json"
     rc = main(["--model", "vgg", "--depth", "5", "--width", "4", "--batch", "4", "--image", "8",
-               "--iterations", "2", "--mode", "dram,caLM", "--fast-budget", "50%", "--no-progress",
+               "--iterations", "2", "--mode", "dram,caLM,cap", "--fast-budget", "50%", "--no-progress",
                "--report", str(out), "--plot", str(tmp_path / "fig")])
     assert rc == 0
     text = capsys.readouterr().out
-    assert text.count("iter ") == 4 and "DRAM->PM" in text and "peak fast" in text and "modeled movement" in text
+    assert text.count("iter ") == 6 and "DRAM->PM" in text and "peak fast" in text and "modeled movement" in text
+    assert text.count("coverage") == 3 and "learned prefetch over the run: coverage" in text  # cap's lines only
     report = json.loads(out.read_text())
+    assert report["modes"]["cap"]["policy_report"]["iterations"] == 2 and "policy_report" not in report["modes"]["caLM"]
     its = report["modes"]["caLM"]["iterations"]
     assert len(its) == 2 and all(i["peak_fast_bytes"] <= i["fast_capacity"] for i in its)
     assert report["modes"]["caLM"]["iterations"][0]["loss"] == pytest.approx(report["modes"]["dram"]["iterations"][0]["loss"])

@@ -1,5 +1,6 @@
 """Managers over more than two levels, asynchronous copies, and their faults (CPU: DRAM, DRAM, PM)."""
 
+import math
 import threading
 import time
 
@@ -16,7 +17,7 @@ from cachedarrays import (DRAM, PM, CachedArray, CopyError, DeviceUnavailableErr
 from cachedarrays.devices import gpu
 
 from test_manager import ManagerMachine
-from test_policies import PolicyMachine, readme_policy
+from test_policies import LearnedOrderMachine, PolicyMachine, learned, readme_policy
 
 pytestmark = pytest.mark.usefixtures("young_gc")
 
@@ -304,8 +305,9 @@ class ThreeLevelMachine(PolicyMachine):
 THREE = settings(max_examples=12, stateful_step_count=30, deadline=None)
 
 
-def _three_machine(factory, workers):
-    cls = type(f"Three_{factory.__name__}_{workers}", (ThreeLevelMachine,),
+def _three_machine(factory, workers, learning=False):
+    bases = (LearnedOrderMachine, ThreeLevelMachine) if learning else (ThreeLevelMachine,)
+    cls = type(f"Three_{factory.__name__}_{workers}", bases,
                {"policy_factory": staticmethod(factory), "workers": workers})
     case = cls.TestCase
     case.settings = THREE
@@ -316,6 +318,8 @@ TestThreeLRU1 = _three_machine(LRUPolicy, 1)
 TestThreeLRU2 = _three_machine(LRUPolicy, 2)
 TestThreeTwoLevelCache = _three_machine(TwoLevelCachePolicy, 2)
 TestThreeLRUInsertOnUse = _three_machine(lambda: LRUPolicy(local_alloc=False), 1)
+TestThreeLearned = _three_machine(learned(), 2, learning=True)
+TestThreeLearnedMemoryBoundOnly = _three_machine(learned(slack=math.inf), 1, learning=True)
 
 
 class AsyncManagerMachine(ManagerMachine):

@@ -1,17 +1,19 @@
 """Policies: Table 4.5 semantics, the L/M/P switches, the 2LM model, and a stateful mirror test for each."""
 
 import gc
+import itertools
+import math
 import pathlib
 
 import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import cachedarrays as ca
-from cachedarrays import (DRAM, PM, CachedArray, InvariantError, LRUPolicy, Manager, OutOfMemoryError, PinnedError,
-                          TwoLevelCachePolicy, UseAfterFreeError, readable, writable)
+from cachedarrays import (DRAM, PM, CachedArray, CorrelationPrefetchPolicy, InvariantError, LRUPolicy, Manager,
+                          OutOfMemoryError, PinnedError, TwoLevelCachePolicy, UseAfterFreeError, readable, writable)
 
 pytestmark = pytest.mark.usefixtures("young_gc")  # gc.collect() in these tests scans only their objects
 
@@ -307,11 +309,63 @@ class PolicyMachine(RuleBasedStateMachine):
             assert same(x, mirror)
 
 
+class LearnedOrderMachine(PolicyMachine):
+    """The policy machine plus iterations: a mark, then reads of the oldest arrays in order (first
+    evicted, in some), so that a policy that learns the order of uses has one to learn and prefetches
+    ahead of it, while every other rule still runs in between."""
+
+    @initialize()
+    def learn_an_order(self):
+        """Six arrays of 80 KB (more than fast memory holds) and two iterations over them: every
+        example starts with a learned order."""
+        for _ in range(6):
+            self.create([20_000], np.float32)
+        self._iteration(6, False)
+        self._iteration(6, True)
+
+    @precondition(lambda self: self.arrays)
+    @rule(n=st.integers(1, 8), evict_first=st.booleans())
+    def iteration(self, n, evict_first):
+        self._iteration(n, evict_first)
+
+    @precondition(lambda self: self.arrays)
+    @rule(n=st.integers(2, 8))
+    def iteration_after_eviction(self, n):  # a second rule: iterations come often enough to be learned
+        self._iteration(n, True)
+
+    def _iteration(self, n, evict_first):
+        self.m.policy.mark_iteration()
+        keys = sorted(self.arrays)[:n]
+        if evict_first:
+            for key in keys:
+                x = self.arrays[key][0]
+                if not self.m.pinned(x.object):
+                    ca.evict(x, to=self.m.slow)
+        for key in keys:
+            x, mirror = self.arrays[key]
+            with readable(x) as a:
+                assert same(a, mirror)
+
+
+def counting_clock():
+    """A deterministic clock for the machines: each reading is 100 us after the previous one."""
+    ticks = itertools.count()
+    return lambda: next(ticks) * 1e-4
+
+
+def learned(**kw):
+    """A `CorrelationPrefetchPolicy` factory on a `counting_clock` (so that examples replay exactly)."""
+    def factory():
+        return CorrelationPrefetchPolicy(clock=counting_clock(), **kw)
+    factory.__name__ = "learned_" + "_".join(f"{k}_{v}" for k, v in kw.items())
+    return factory
+
+
 STATEFUL = settings(max_examples=15, stateful_step_count=30, deadline=None)
 
 
-def _machine(factory):
-    cls = type(f"Machine_{factory.__name__}", (PolicyMachine,), {"policy_factory": staticmethod(factory)})
+def _machine(factory, base=PolicyMachine):
+    cls = type(f"Machine_{factory.__name__}", (base,), {"policy_factory": staticmethod(factory)})
     case = cls.TestCase
     case.settings = STATEFUL
     return case
@@ -322,6 +376,8 @@ TestLRUNothing = _machine(lambda: LRUPolicy(local_alloc=False, honor_frees=False
 TestLRUOnlyM = _machine(lambda: LRUPolicy(local_alloc=False, honor_frees=True, prefetch=True))
 TestTwoLevel = _machine(TwoLevelCachePolicy)
 TestReadmePolicy = _machine(lambda: readme_policy()(threshold=100_000))
+TestLearned = _machine(learned(), LearnedOrderMachine)
+TestLearnedMemoryBoundOnlyWithHints = _machine(learned(slack=math.inf, hints=True), LearnedOrderMachine)
 
 
 def test_plots_are_written(tmp_path):

@@ -5,7 +5,8 @@ the hooks — `placement` (where a new object goes), `victims` (which objects to
 start evicting from the fast level, in order; `victims_on` for any level), `on_use`
 (what a use does), `prefetch_target` / `evict_target` (which level a prefetch
 moves an object to, and which an eviction moves it to), and the tracking hooks
-`on_fast` / `on_slow` / `on_move` / `forget` — and inherit correct implementations
+`on_fast` / `on_slow` / `on_move` / `forget`, and the hint `mark_iteration` (a new
+iteration of a repeating program begins) — and inherit correct implementations
 of the operations: `alloc_fast`, `alloc_slow`, `new`, `in_fast`, `read_use`,
 `write_use`, `unsafe_free`, `prefetch`, `evict`, `softevict`.
 
@@ -109,6 +110,10 @@ class Policy:
 
     def on_softevict(self, obj: Object) -> None:
         """Hint that ``obj`` will not be used for a while (default: ignored)."""
+
+    def mark_iteration(self) -> None:
+        """Hint that the program starts another iteration of a repeating sequence of uses (a training
+        step); a policy that learns the sequence records one iteration between two marks (default: ignored)."""
 
     def forget(self, obj_id: int, regions: dict[str, Region]) -> None:
         """``obj_id`` is about to be freed (its ``regions`` are still live); drop any tracking."""

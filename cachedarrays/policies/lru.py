@@ -66,11 +66,15 @@ class LRUPolicy(Policy):
             yield from self.m.objects_on(device)
 
     def on_use(self, obj: Object, write: bool) -> None:
+        self._touch(obj)
+        if self.insert_on_use and not self.in_fast(obj):
+            super().prefetch(obj, force=True)
+
+    def _touch(self, obj: Object) -> None:
+        """Make ``obj`` the most recently used object of its level."""
         order = self._orders.get(self.m.primary(obj).device.name, {})
         if obj.id in order:
             order.move_to_end(obj.id)
-        if self.insert_on_use and not self.in_fast(obj):
-            super().prefetch(obj, force=True)
 
     def on_move(self, obj: Object, old: Device | None, new: Device) -> None:
         if old is not None and old is not self.slow:

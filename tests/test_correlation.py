@@ -1,0 +1,305 @@
+"""`CorrelationPrefetchPolicy` on scripted sequences of uses whose right answers are worked out by hand.
+
+Every script runs on a fast DRAM of 1 MiB (20 GB/s) over PM ("optane": 39 GB/s read), with objects of
+240,000 bytes: four fit in fast memory, and the device model predicts 12 us per PM->DRAM copy.  A
+scripted clock makes the recorded times (and so the look-ahead's time bound) exact.
+"""
+
+import numpy as np
+import pytest
+
+import cachedarrays as ca
+from cachedarrays import DRAM, PM, CachedArray, CorrelationPrefetchPolicy, Manager, readable
+from cachedarrays.policies.correlation import NEVER, accuracy_and_coverage
+
+pytestmark = pytest.mark.usefixtures("young_gc")
+
+N = 60_000  # float32 elements: 240,000 bytes
+
+
+class Clock:
+    """Seconds that move only when the script says so."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def setup(n_objects, clock, fast="1MiB", **kw):
+    pol = CorrelationPrefetchPolicy(clock=clock, **kw)
+    m = Manager(DRAM(fast, bandwidth=(20, 20)), PM(None, "16MiB", bandwidth="optane"), policy=pol)
+    xs = [CachedArray(np.full(N, i, np.float32), m) for i in range(n_objects)]
+    return m, pol, xs
+
+
+def places(xs):
+    return [x.device for x in xs]
+
+
+def use(x, clock, gap=1e-3):
+    clock.t += gap
+    with readable(x) as a:
+        assert a[0] == a[-1]  # contents intact wherever the object went
+
+
+def iteration(m, pol, xs, clock, gap=1e-3):
+    """Mark, use ``xs`` in order ``gap`` seconds apart; return this iteration's counters."""
+    clock.t += 1.0  # copies of the previous iteration are predicted done
+    m.reset_telemetry()
+    pol.mark_iteration()
+    for x in xs:
+        use(x, clock, gap)
+    m.check()
+    return m.telemetry()["counters"]
+
+
+def moved(counters):
+    keys = ("uses", "uses_in_fast", "demand_fetches", "learned_prefetches", "learned_prefetches_useful")
+    return [counters.get(k, 0) for k in keys]
+
+
+# ---------------------------------------------------------------------- the learned order and the look-ahead
+def test_a_cycle_of_six_over_room_for_four_is_learned_and_prefetched_one_use_ahead():
+    clock = Clock()
+    m, pol, W = setup(6, clock)
+    assert places(W) == ["PM", "PM", "DRAM", "DRAM", "DRAM", "DRAM"]  # LRU while nothing is learned
+    # iteration 0 learns; nothing predicted yet: LRU with fetch on use thrashes, every use a miss
+    assert moved(iteration(m, pol, W, clock)) == [6, 0, 6, 0, 0] and pol.learned is None
+
+    # iteration 1: the mark prefetches W0 (next use 0) and evicts W5, whose next use (5) is furthest.
+    # Recorded uses are 1 ms apart and a copy is predicted at 12 us, so each use prefetches only the next:
+    # W0's use brings W1 (evicting W4: W0 itself is in use), W3's brings W4 (evicting W2, next used in the
+    # next iteration at 2 + 6 = 8), W4's brings W5 (evicting W3: 9).
+    clock.t += 1.0
+    m.reset_telemetry()
+    pol.mark_iteration()                               # iteration 0's uses become the learned order
+    assert pol.learned.keys == [("id", w.object.id) for w in W]
+    assert pol.learned.times == pytest.approx([1e-3 * (i + 1) for i in range(6)])
+    assert places(W) == ["DRAM", "PM", "DRAM", "DRAM", "DRAM", "PM"]
+    for i, w in enumerate(W):
+        assert w.device == "DRAM"  # every use finds its object already in fast memory
+        use(w, clock)
+    counters = m.telemetry()["counters"]
+    assert moved(counters) == [6, 6, 0, 4, 4]
+    assert accuracy_and_coverage(counters) == (1.0, 1.0)
+    assert places(W) == ["DRAM", "DRAM", "PM", "PM", "DRAM", "DRAM"]
+
+    # iteration 2: W1's use brings W2 (evicting W0: 6 beats W4: 4, W5: 5), W2's brings W3 (evicting W1: 7),
+    # W5's brings the next iteration's W0 (evicting W4: 10); W0 stays pending into iteration 3.
+    assert moved(iteration(m, pol, W, clock)) == [6, 6, 0, 3, 2]
+    assert places(W) == ["DRAM", "PM", "DRAM", "DRAM", "PM", "DRAM"]
+    report = pol.report()
+    assert report["prefetches_pending"] == 1 and report["prefetches_issued"] == 7
+    assert report["prefetches_useful"] == 6 and report["accuracy"] == 1.0
+    assert report["iterations"] == 3 and report["learned_uses"] == 6
+    assert report["uses"] == 6 + 18 and report["uses_in_fast"] == 6 + 12  # the creation writes found fast memory
+
+
+def test_objects_born_every_iteration_are_keyed_by_allocation_signature():
+    clock = Clock()
+    m, pol, (w,) = setup(1, clock)
+    pol.mark_iteration()
+    a = CachedArray(np.zeros(N, np.float32), m)
+    b = CachedArray(np.zeros(1000, np.float32), m)
+    c = CachedArray(np.zeros(N, np.float32), m)
+    assert [pol.key(x.object.id) for x in (a, b, c)] == [("new", 240_000, 0), ("new", 4000, 0), ("new", 240_000, 1)]
+    assert pol.key(w.object.id) == ("id", w.object.id)  # born before the iteration: its id is its key
+    survivor = a.object.id
+    pol.mark_iteration()
+    assert pol.key(survivor) == ("id", survivor)  # a survivor is the same object in every later iteration
+    extra = CachedArray(np.zeros(500, np.float32), m)   # an allocation of another size shifts nothing
+    d = CachedArray(np.zeros(N, np.float32), m)
+    assert pol.key(d.object.id) == ("new", 240_000, 0) and pol.key(extra.object.id) == ("new", 2000, 0)
+    del a, b, c, d, extra
+    m.check()
+
+
+def test_a_new_object_of_each_iteration_is_prefetched_in_the_next():
+    """Each iteration makes A (an activation), which is evicted while W0..W3 are used, then reads A."""
+    clock = Clock()
+    m, pol, W = setup(4, clock)
+
+    def step():
+        clock.t += 1.0
+        m.reset_telemetry()
+        pol.mark_iteration()
+        clock.t += 1e-3
+        a = CachedArray(np.full(N, 7, np.float32), m)   # born in fast memory (its write is a use)
+        for w in W:
+            use(w, clock)
+        where = a.device
+        use(a, clock)
+        m.check()
+        return where, m.telemetry()["counters"]
+
+    where, counters = step()          # learning: A is pushed out by W3's fetch and fetched again at its use
+    assert where == "PM" and counters["demand_fetches"] >= 1
+    where, counters = step()          # the new A has the recorded A's key: W3's use prefetches it
+    assert where == "DRAM"
+    assert counters["uses"] == 6 and counters["uses_in_fast"] == 6 and not counters.get("demand_fetches")
+
+
+def test_belady_victims_furthest_next_use_first_and_never_again_before_all():
+    clock = Clock()
+    m, pol, X = setup(4, clock)                        # A B C D fill fast memory
+    iteration(m, pol, X, clock)                        # learn A B C D
+    clock.t += 1.0
+    pol.mark_iteration()
+    use(X[0], clock)                                   # cursor at A
+    assert [pol.next_use(x.object.id) for x in X] == [4, 1, 2, 3]  # A's next use is next iteration's first
+    ids = [x.object.id for x in X]
+    assert [v.id for v in pol.victims_on(m.fast, N)] == [ids[i] for i in (0, 3, 2, 1)]
+    stray = CachedArray(np.zeros(N, np.float32), m)    # born now, under a key the learned order lacks
+    assert places(X) == ["PM", "DRAM", "DRAM", "DRAM"]  # room for it: A, used furthest ahead, went
+    assert pol.next_use(stray.object.id) == NEVER
+    assert [v.id for v in pol.victims_on(m.fast, N)] == [stray.object.id] + [ids[i] for i in (3, 2, 1)]
+    use(X[1], clock)                                   # cursor at B: B goes to the back of the line
+    assert [v.id for v in pol.victims_on(m.fast, N)] == [stray.object.id] + [ids[i] for i in (1, 3, 2)]
+    other = CachedArray(np.zeros(N, np.float32), m)    # the object never used again goes first
+    assert stray.device == "PM" and places(X) == ["PM", "DRAM", "DRAM", "DRAM"] and other.device == "DRAM"
+    m.check()
+
+
+def test_a_dirty_object_not_used_again_ranks_by_its_predicted_free():
+    """Learned: T is born, A and B are used, T is freed (after 3 uses), C is used.  Next iteration, after
+    T' and A: A is next used in the next iteration (5), C at 3, B at 2; T' is never used again, but it is
+    dirty and freed at 3, so writing it back now would be wasted: it ranks as if used at 3 (after C in
+    least-recent order), and A goes first."""
+    clock = Clock()
+    m, pol, (A, B, C) = setup(3, clock)
+
+    def step():
+        clock.t += 1.0
+        pol.mark_iteration()
+        t = CachedArray(np.full(N, 9, np.float32), m)
+        use(A, clock)
+        return t
+
+    t = step()
+    use(B, clock)
+    ca.unsafe_free(t)
+    use(C, clock)
+    t = step()
+    assert pol.learned.frees == {("new", 240_000, 0): 3}
+    assert pol.next_use(t.object.id) == NEVER and pol.predicted_free(t.object.id) == 3
+    assert [v.id for v in pol.victims_on(m.fast, N)] == [x.object.id for x in (A, C, t, B)]
+    CachedArray(np.zeros(N, np.float32), m)            # needs one object's room
+    assert places([A, B, C, t]) == ["PM", "DRAM", "DRAM", "DRAM"]
+    m.check()
+
+
+def test_look_ahead_is_bounded_by_free_fast_memory():
+    """With no time bound, the mark prefetches until fast memory holds only objects needed sooner."""
+    clock = Clock()
+    m, pol, W = setup(6, clock, slack=float("inf"))
+    iteration(m, pol, W, clock)                        # learned; W2..W5 in fast, W0 W1 in PM
+    assert places(W) == ["PM", "PM", "DRAM", "DRAM", "DRAM", "DRAM"]
+    m.reset_telemetry()
+    pol.mark_iteration()
+    # W0 evicts W5 (next use 5), W1 evicts W4 (4); W4 would have to evict an object needed before it: stop
+    assert places(W) == ["DRAM", "DRAM", "DRAM", "DRAM", "PM", "PM"]
+    assert m.telemetry()["counters"]["learned_prefetches"] == 2
+    m.check()
+
+
+@pytest.mark.parametrize("gap, prefetched", [(1e-3, 1), (40e-6, 2), (1e-6, 6)])
+def test_look_ahead_is_bounded_by_predicted_copy_time(gap, prefetched):
+    """Room for all six; the mark prefetches use q while gap(q) < 2 * (backlog + 12 us): uses 1 ms apart
+    need only the first, 40 us apart the first two (80 us >= 2 * (24 + 12) us), 1 us apart all six."""
+    clock = Clock()
+    m, pol, W = setup(6, clock, fast="2MiB")
+    iteration(m, pol, W, clock, gap)                   # recorded with these gaps
+    ca.evict(W)
+    clock.t += 1.0
+    pol.mark_iteration()
+    assert places(W) == ["DRAM"] * prefetched + ["PM"] * (6 - prefetched)
+    assert pol.stats["learned_prefetches"] == prefetched
+    m.check()
+
+
+def test_max_ahead_caps_the_walk():
+    clock = Clock()
+    m, pol, W = setup(6, clock, fast="2MiB", slack=float("inf"), max_ahead=3)
+    iteration(m, pol, W, clock)
+    ca.evict(W)
+    clock.t += 1.0
+    pol.mark_iteration()
+    assert places(W) == ["DRAM"] * 3 + ["PM"] * 3
+    m.check()
+
+
+# ---------------------------------------------------------------------- accuracy and coverage
+def test_accuracy_and_coverage_count_wasted_prefetches():
+    """Learned A B C D; then A's use prefetches B, which the program evicts before using it (a miss),
+    and C's use prefetches D, which the program frees: 4 issued, 2 useful (A, C), 1 evicted unused,
+    1 freed unused, so accuracy 2/4; coverage 2/3 (B was not in fast memory at its use)."""
+    clock = Clock()
+    m, pol, X = setup(4, clock)
+    iteration(m, pol, X, clock)
+    ca.evict(X)
+    clock.t += 1.0
+    m.reset_telemetry()
+    pol.mark_iteration()                               # prefetches A
+    use(X[0], clock)                                   # prefetches B
+    ca.evict(X[1])
+    use(X[1], clock)                                   # fetched on use; prefetches C
+    use(X[2], clock)                                   # prefetches D
+    ca.unsafe_free(X[3])
+    counters = m.telemetry()["counters"]
+    assert [counters.get(k, 0) for k in ("learned_prefetches", "learned_prefetches_useful",
+                                         "learned_prefetches_evicted_unused", "learned_prefetches_freed_unused",
+                                         "demand_fetches", "uses", "uses_in_fast")] == [4, 2, 1, 1, 1, 3, 2]
+    assert accuracy_and_coverage(counters) == (0.5, pytest.approx(2 / 3))
+    report = pol.report()
+    assert report["accuracy"] == 0.5 and report["prefetches_pending"] == 0
+    m.check()
+
+
+def test_hints_are_ignored_unless_asked_for_and_softevict_changes_nothing():
+    clock = Clock()
+    m, pol, X = setup(2, clock)
+    ca.evict(X[0])
+    ca.prefetch(X[0])
+    assert X[0].device == "PM"
+    assert m.telemetry()["counters"]["prefetches_ignored"] == 1
+    m2, pol2, Y = setup(2, clock, hints=True)
+    ca.evict(Y[0])
+    ca.prefetch(Y[0])
+    assert Y[0].device == "DRAM"
+    order = [v.id for v in pol2.victims_on(m2.fast, 1)]
+    ca.softevict(Y[1])
+    assert [v.id for v in pol2.victims_on(m2.fast, 1)] == order
+    m.check()
+    m2.check()
+
+
+def test_an_iteration_longer_than_max_uses_is_not_learned():
+    clock = Clock()
+    m, pol, X = setup(3, clock, max_uses=2)
+    iteration(m, pol, X[:2], clock)
+    iteration(m, pol, X, clock)                        # 3 uses: not learned; the 2-use order stays
+    clock.t += 1.0
+    pol.mark_iteration()
+    assert len(pol.learned) == 2 and m.telemetry()["counters"]["recordings_too_long"] == 1
+    m.check()
+
+
+def test_without_marks_nothing_is_recorded_and_eviction_is_lru():
+    clock = Clock()
+    m, pol, X = setup(5, clock)                        # the fifth evicted the least recently used
+    assert places(X) == ["PM", "DRAM", "DRAM", "DRAM", "DRAM"]
+    use(X[1], clock)
+    CachedArray(np.zeros(N, np.float32), m)
+    assert places(X) == ["PM", "DRAM", "PM", "DRAM", "DRAM"] and pol.learned is None and not pol._keys
+    m.check()
+
+
+def test_bad_arguments_are_refused():
+    for kw, msg in [({"slack": 0}, "slack"), ({"slack": "2"}, "slack"), ({"max_ahead": 0}, "max_ahead"),
+                    ({"max_uses": 0}, "max_uses")]:
+        with pytest.raises(ValueError, match=msg):
+            CorrelationPrefetchPolicy(**kw)
+    with pytest.raises(RuntimeError, match="not attached"):
+        CorrelationPrefetchPolicy().mark_iteration()
