@@ -308,7 +308,7 @@ class CorrelationPrefetchPolicy(LRUPolicy):
         used again first, unless that would write back bytes of an object predicted to be freed), ties
         least recently used first."""
         found: dict[int, Object] = {}
-        for obj_id in self._orders[device.name]:
+        for obj_id in self._orders.get(device.name, ()):
             obj = self.m.getobject(obj_id)
             if obj is not None:
                 found[obj_id] = obj
