@@ -20,6 +20,11 @@ Public API
   parallel region, into a ``(batch, tables, featuresize)`` array (:mod:`embeddings.ensemble`).
 * ``embeddings.distributions``: seeded uniform and LFSR-scrambled Zipf index streams.
 
+Tables in GPU memory (:mod:`embeddings.gpu`): a ``SimpleEmbedding`` over a CuPy array, a JAX
+GPU array or a CachedArray whose primary copy is on a ``GPU`` device runs ``lookup``,
+``lookup_into``, ``pullback`` and ``Ensemble`` on CUDA kernels (float32 tables; same API, same
+errors; ``lookup`` returns a JAX array on the GPU, ``lookup_into`` writes a CuPy array).
+
 Bad input raises before anything is written: ``IndexError`` (table, position, value),
 ``ValueError`` (offsets, shapes), ``TypeError`` (dtypes), ``FloatingPointError`` (NaN/inf
 gradient).

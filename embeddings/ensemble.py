@@ -19,7 +19,8 @@ from .batch import Bags, make_bags
 from .kernels import ensemble as K
 from .kernels.reindex import plan_arrays, reindex_many, reindex_sort_many, sortable
 from .kernels.rowaccess import entries, spec_for
-from .lookup import prefetch_distance, run_lookup
+from .gpu import table_on_gpu
+from .lookup import gpu_tables, prefetch_distance, run_lookup
 from .optim import SGD, Optimizer, RowwiseAdagrad
 from .protocol import FORWARD, UPDATE, EmbeddingTable, RowSource
 from .pullback import bag_offsets, check_grad, make_plan, run_update, scratch_for, sort_buffers, workspace
@@ -48,6 +49,14 @@ class Ensemble:
     def featuresize(self) -> int:
         return self._F
 
+    def _on_gpu(self) -> bool:
+        """Whether the tables' rows are on a GPU (all of them: a mix is refused)."""
+        where = [table_on_gpu(t) for t in self.tables]
+        if any(where) and not all(where):
+            raise TypeError("an ensemble's tables must all be on a GPU or all on the host, got "
+                            + ", ".join(f"{t.name}: {'GPU' if g else 'host'}" for t, g in zip(self.tables, where)))
+        return where[0]
+
     def _bags(self, indices, offsets, weights, mode) -> list[Bags]:
         T = len(self.tables)
         if len(indices) != T:
@@ -67,7 +76,10 @@ class Ensemble:
 
     def lookup(self, indices: Sequence[object], offsets: Sequence[object] | None = None, *,
                mode: str | None = None, weights: Sequence[object] | None = None) -> np.ndarray:
-        """Look up every table; returns a new float32 array (batch, tables, featuresize)."""
+        """Look up every table; returns a new float32 array (batch, tables, featuresize): a JAX
+        array on the GPU for tables on a GPU."""
+        if self._on_gpu():
+            return gpu_tables.ensemble_lookup(self.tables, indices, offsets, mode, weights)
         bags = self._bags(indices, offsets, weights, mode)
         out = aligned_empty((bags[0].nout, len(self.tables), self._F))
         self._lookup(out, bags)
@@ -75,7 +87,10 @@ class Ensemble:
 
     def lookup_into(self, out: np.ndarray, indices: Sequence[object], offsets: Sequence[object] | None = None,
                     *, mode: str | None = None, weights: Sequence[object] | None = None) -> np.ndarray:
-        """Look up every table into ``out`` (batch, tables, featuresize), any float32 view."""
+        """Look up every table into ``out`` (batch, tables, featuresize), any float32 view (a
+        CuPy array for tables on a GPU)."""
+        if self._on_gpu():
+            return gpu_tables.ensemble_lookup(self.tables, indices, offsets, mode, weights, out=out)
         bags = self._bags(indices, offsets, weights, mode)
         shape = (bags[0].nout, len(self.tables), self._F)
         if not isinstance(out, np.ndarray) or out.dtype != np.float32:
@@ -128,6 +143,9 @@ class Ensemble:
             raise TypeError(f"unsupported optimizer {optimizer!r}")
         if not np.isfinite(optimizer.lr):
             raise ValueError(f"learning rate must be finite, got {optimizer.lr}")
+        if self._on_gpu():
+            gpu_tables.ensemble_pullback(self.tables, grad, indices, offsets, mode, weights, optimizer)
+            return
         bags = self._bags(indices, offsets, weights, mode)
         g3 = np.asarray(grad)
         shape = (bags[0].nout, len(self.tables), self._F)

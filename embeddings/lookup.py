@@ -12,6 +12,7 @@ from numba import get_num_threads
 from . import config
 from .aligned import aligned_empty
 from .batch import Bags, make_bags
+from .gpu import table_on_gpu
 from .kernels import lookup as K
 from .kernels.rowaccess import spec_for
 from .protocol import FORWARD, EmbeddingTable, RowSource
@@ -73,6 +74,17 @@ def run_lookup(out: np.ndarray, src: RowSource, bags: Bags) -> None:
                  bags.weights, bags.mean, dist, P)
 
 
+class _LazyGpuTables:
+    """``embeddings.gpu.tables``, imported on first use (it imports the CUDA backend's module)."""
+
+    def __getattr__(self, name: str):
+        from .gpu import tables
+        return getattr(tables, name)
+
+
+gpu_tables = _LazyGpuTables()
+
+
 def lookup_into(out: np.ndarray, table: EmbeddingTable, indices: object, offsets: object | None = None,
                 *, mode: str | None = None, weights: object | None = None) -> np.ndarray:
     """Look rows up into ``out`` and return it.
@@ -82,6 +94,10 @@ def lookup_into(out: np.ndarray, table: EmbeddingTable, indices: object, offsets
       2-d ``(batch, k)`` indices: pooled, ``out[b] = sum/mean of the bag's rows``, optionally
       scaled per index by ``weights`` (same shape as ``indices``). Empty bags give zero rows.
     """
+    if table_on_gpu(table):
+        result = gpu_tables.lookup(table, indices, offsets, mode, weights, out=out)
+        if result is not NotImplemented:
+            return result
     bags = make_bags(table.name, table.nvectors(), indices, offsets, weights, mode)
     check_out(out, bags.nout, table.featuresize(), table.name)
     with table.rows(FORWARD, bags.indices) as src:
@@ -92,7 +108,12 @@ def lookup_into(out: np.ndarray, table: EmbeddingTable, indices: object, offsets
 def lookup(table: EmbeddingTable, indices: object, offsets: object | None = None,
            *, mode: str | None = None, weights: object | None = None) -> np.ndarray:
     """Like :func:`lookup_into` but allocates a new float32 ``(nout, featuresize)`` array (on a
-    cache line: :func:`~embeddings.aligned.aligned_empty`)."""
+    cache line: :func:`~embeddings.aligned.aligned_empty`). A table whose rows are on a GPU gives
+    a JAX array on that GPU (:mod:`embeddings.gpu`)."""
+    if table_on_gpu(table):
+        result = gpu_tables.lookup(table, indices, offsets, mode, weights)
+        if result is not NotImplemented:
+            return result
     bags = make_bags(table.name, table.nvectors(), indices, offsets, weights, mode)
     out = aligned_empty((bags.nout, table.featuresize()))
     with table.rows(FORWARD, bags.indices) as src:

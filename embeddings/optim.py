@@ -7,6 +7,8 @@ float32 accumulator per table row, created on first use and kept per table.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,6 +43,7 @@ class RowwiseAdagrad:
     eps: float = 1e-8
     initial_accumulator_value: float = 0.0
     _states: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary, repr=False)
+    _device_states: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary, repr=False)
 
     code = U.ADAGRAD
 
@@ -50,6 +53,15 @@ class RowwiseAdagrad:
         if st is None:
             st = np.full(table.nvectors(), self.initial_accumulator_value, np.float32)
             self._states[table] = st
+        return st
+
+    def device_state(self, table: EmbeddingTable, full: Callable[[int, float], Any]) -> Any:
+        """The accumulator of a table on a GPU, a device array made by ``full(n, value)`` on
+        first use (kept apart from the host one: a table keeps its rows in one place)."""
+        st = self._device_states.get(table)
+        if st is None:
+            st = full(table.nvectors(), self.initial_accumulator_value)
+            self._device_states[table] = st
         return st
 
 

@@ -32,7 +32,8 @@ from .kernels.checks import nonfinite_row
 from .kernels.reindex import reindex_into, reindex_sort_serial, row_bits, sort_params, sortable
 from .kernels.rowaccess import spec_for
 from . import config
-from .lookup import prefetch_distance
+from .gpu import table_on_gpu
+from .lookup import gpu_tables, prefetch_distance
 from .optim import SGD, Optimizer, RowwiseAdagrad
 from .protocol import UPDATE, EmbeddingTable
 
@@ -274,6 +275,9 @@ def pullback(table: EmbeddingTable, grad: object, indices: object, offsets: obje
         raise TypeError(f"unsupported optimizer {optimizer!r}")
     if not np.isfinite(optimizer.lr):
         raise ValueError(f"learning rate must be finite, got {optimizer.lr}")
+    if table_on_gpu(table) and gpu_tables.pullback(table, grad, indices, offsets, mode, weights,
+                                                   optimizer) is not NotImplemented:
+        return
     bags = make_bags(table.name, table.nvectors(), indices, offsets, weights, mode)
     L = bags.indices.size
     owner = (isinstance(optimizer, SGD) and 0 < L <= config.OWNER_MAX and table.featuresize() > 0

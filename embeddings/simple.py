@@ -18,6 +18,7 @@ import numpy as np
 from cachedarrays import CachedArray, readable
 from cachedarrays import writable as writable_view
 
+from .gpu import device_array
 from .kernels import codecs
 from .protocol import Context, EmbeddingTable, RowSource
 
@@ -74,6 +75,17 @@ class SimpleEmbedding(EmbeddingTable):
     def __init__(self, data: Any, name: str = "table") -> None:
         self.data = data
         self.name = name
+        self._plain: tuple[Any, RowSource] | None = None  # (data, its RowSource) for numpy data
+        if isinstance(data, CachedArray) or device_array(data):  # shape and type without a view (may be on a GPU)
+            shape, dtype = tuple(data.shape), np.dtype(data.dtype)
+            if len(shape) != 2:
+                raise ValueError(f"{name}: table must be 2-d (nvectors, featuresize), got {shape}")
+            self._codec, self._storage_dtype = _codec_for(dtype)
+            flags = getattr(data, "flags", None)
+            if flags is not None and not flags.c_contiguous:
+                raise ValueError(f"{name}: table must be row-major (C-contiguous)")
+            self._dtype, self._shape = dtype, shape
+            return
         with _ndarray_view(data, writable=False) as view:
             if view.ndim != 2:
                 raise ValueError(f"{name}: table must be 2-d (nvectors, featuresize), got {view.shape}")
@@ -82,7 +94,6 @@ class SimpleEmbedding(EmbeddingTable):
                 raise ValueError(f"{name}: table must be row-major (C-contiguous)")
             self._dtype = view.dtype
             self._shape = view.shape
-        self._plain: tuple[Any, RowSource] | None = None  # (data, its RowSource) for numpy data
 
     def eltype(self) -> np.dtype:
         return self._dtype
@@ -115,6 +126,9 @@ class SimpleEmbedding(EmbeddingTable):
     @contextmanager
     def _rows_view(self, writable: bool) -> Iterator[RowSource]:
         with _ndarray_view(self.data, writable) as view:
+            if not isinstance(view, np.ndarray):
+                raise TypeError(f"{self.name}: rows are in GPU memory; the CPU kernels cannot read them "
+                                f"(lookup, pullback and Ensemble take the GPU path for such tables)")
             if writable and not view.flags.writeable:
                 raise ValueError(f"{self.name}: table data is read-only")
             yield RowSource(_storage(view, self._storage_dtype), None, None, self._codec, self._dtype)

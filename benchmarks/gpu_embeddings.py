@@ -1,0 +1,186 @@
+"""Embedding lookups and fused updates on tables in GPU memory, against PyTorch on CUDA.
+
+Same run, same data: one CuPy table per feature size (torch and JAX see it through DLPack,
+without a copy), indices on the device as CuPy int32 arrays (torch and JAX read the same
+buffer), ``batch`` bags of 1 and 40 lookups, uniform and Zipf(1) indices
+(``embeddings.distributions``). Rows, per case:
+
+* lookup: ``embeddings.lookup`` (validation on the device + one sync + kernel + JAX handoff),
+  the kernel alone (pre-validated batch), ``torch.nn.functional.embedding_bag(mode="sum")``,
+  and plain JAX ``jnp.take(W, I, axis=0).sum(1)``;
+* update: ``embeddings.pullback`` with SGD and row-wise Adagrad (validation + sorted plan +
+  fused kernel), against ``nn.EmbeddingBag(sparse=True)`` forward + backward + ``optim.SGD.step``
+  (and that minus its forward: the target compares with backward + step).
+
+Times are medians of CUDA-synchronised wall-clock runs. GB/s counts bytes moved once (rows and
+indices read, outputs written; an update reads and writes each unique row once) against the
+device-to-device copy bandwidth measured here (read + write). Targets: lookup at least as fast
+as torch in every case; pooled lookups (40 per bag) at >= 60% of the copy bandwidth; the SGD
+update >= 5x faster than torch's backward + step and within 1.5x of its memory-traffic floor.
+10M rows (``--quick``: 1M rows, batch 8192). Writes ``results/gpu_embeddings.json``.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+try:
+    from benchmarks import _paths  # noqa: F401
+    from benchmarks._common import environment, parser, print_table, print_targets, verdict, write_json
+except ImportError:
+    import _paths  # noqa: F401
+    from _common import environment, parser, print_table, print_targets, verdict, write_json
+
+
+def timed(fn, sync, repeats: int) -> float:
+    """Median seconds of ``fn`` (after one warm-up call), synchronising the device around each run."""
+    fn()
+    sync()
+    ts = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def copy_bandwidth(cp, nbytes: int, repeats: int) -> float:
+    """Device-to-device copy bandwidth in GB/s, read + write counted."""
+    a = cp.ones(nbytes // 4, cp.float32)
+    b = cp.empty_like(a)
+    t = timed(lambda: b.__setitem__(Ellipsis, a), cp.cuda.Device().synchronize, repeats)
+    del a, b
+    return 2 * nbytes / t / 1e9
+
+
+def indices_for(dist: str, nrows: int, shape: tuple[int, int], seed: int) -> np.ndarray:
+    from embeddings import distributions as D
+    f = D.uniform if dist == "uniform" else D.zipf
+    return f(nrows, shape, seed=seed).astype(np.int32)
+
+
+def main(argv=None) -> int:
+    p = parser(__doc__, "results/gpu_embeddings.json")
+    p.add_argument("--repeats", type=int, default=9, help="timed repeats per case (median reported)")
+    args = p.parse_args(argv)
+    from cachedarrays.devices import gpu
+    if not gpu.available():
+        print("gpu_embeddings benchmark skipped: no usable CUDA GPU here (or CuPy is missing)", file=sys.stderr)
+        return 0
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX would take 75% of the GPU from CuPy
+    import cupy as cp
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    import embeddings as E
+    from embeddings.gpu import ops
+    from embeddings.gpu.backend import cuda_backend
+
+    nrows, batch = (1_000_000, 8192) if args.quick else (10_000_000, 65536)
+    reps = 3 if args.quick else args.repeats
+
+    def sync() -> None:
+        cp.cuda.Device().synchronize()
+        torch.cuda.synchronize()
+
+    bw = copy_bandwidth(cp, (256 << 20) if args.quick else (2 << 30), reps)
+    print(f"GPU embeddings benchmark ({'quick' if args.quick else 'full'}): {nrows} rows, batch {batch}; "
+          f"device copy bandwidth {bw:.0f} GB/s (read + write)")
+    be = cuda_backend()
+    results, targets = [], {}
+    for F in (64, 256):
+        W = cp.random.default_rng(F).standard_normal((nrows, F), dtype=cp.float32) * 0.01
+        table = E.SimpleEmbedding(W, f"t{F}")
+        Wt = torch.from_dlpack(W)
+        Wj = jax.dlpack.from_dlpack(W)
+        jtake = jax.jit(lambda w, i: jnp.take(w, i, axis=0).sum(1))
+        emb = torch.nn.EmbeddingBag.from_pretrained(Wt, freeze=False, sparse=True, mode="sum")
+        assert emb.weight.data_ptr() == W.data.ptr, "torch copied the table"
+        topt = torch.optim.SGD(emb.parameters(), lr=1e-4)
+        for k in (1, 40):
+            for dist in ("uniform", "zipf"):
+                case = f"F={F} k={k} {dist}"
+                I = cp.asarray(indices_for(dist, nrows, (batch, k), seed=k))
+                It = torch.from_dlpack(I)
+                Ij = jax.dlpack.from_dlpack(I)
+                L = batch * k
+                bags, _, _ = ops.device_bags(be, table.name, nrows, I)
+                out = cp.empty((batch, F), cp.float32)
+                # correctness in the same run: ours against torch on this data
+                ours = np.asarray(E.lookup(table, I))
+                ref = torch.nn.functional.embedding_bag(It, Wt, mode="sum").cpu().numpy()
+                err = float(np.abs(ours - ref).max())
+                t_api = timed(lambda: E.lookup(table, I), sync, reps)
+                t_kernel = timed(lambda: ops.run_pooled(be, out, W, bags), sync, reps)
+                t_torch = timed(lambda: torch.nn.functional.embedding_bag(It, Wt, mode="sum"), sync, reps)
+                t_jax = timed(lambda: jtake(Wj, Ij).block_until_ready(), sync, reps)
+                lbytes = L * F * 4 + L * 4 + batch * F * 4
+                g = cp.random.default_rng(1).standard_normal((batch, F), dtype=cp.float32)
+                gt = torch.from_dlpack(g)
+                U = int(cp.unique(I).size)
+                ubytes = batch * F * 4 + L * 4 + 2 * U * F * 4
+                t_sgd = timed(lambda: E.pullback(table, g, I, optimizer=E.SGD(1e-4)), sync, reps)
+                ada = E.RowwiseAdagrad(1e-4)
+                t_ada = timed(lambda: E.pullback(table, g, I, optimizer=ada), sync, reps)
+                del ada
+
+                def torch_step():
+                    topt.zero_grad(set_to_none=True)
+                    emb(It).backward(gt)
+                    topt.step()
+
+                t_tstep = timed(torch_step, sync, reps)
+                t_tfwd = timed(lambda: emb(It), sync, reps)
+                t_tbwd = max(t_tstep - t_tfwd, 1e-9)
+                r = {"case": case, "F": F, "k": k, "dist": dist, "rows": nrows, "batch": batch, "unique_rows": U,
+                     "max_abs_diff_vs_torch": err,
+                     "lookup_ms": t_api * 1e3, "lookup_kernel_ms": t_kernel * 1e3, "torch_lookup_ms": t_torch * 1e3,
+                     "jax_take_sum_ms": t_jax * 1e3, "lookup_GBps": lbytes / t_api / 1e9,
+                     "lookup_kernel_GBps": lbytes / t_kernel / 1e9, "lookup_bw_fraction": lbytes / t_api / 1e9 / bw,
+                     "torch_over_ours_lookup": t_torch / t_api,
+                     "sgd_ms": t_sgd * 1e3, "adagrad_ms": t_ada * 1e3, "torch_step_ms": t_tstep * 1e3,
+                     "torch_bwd_step_ms": t_tbwd * 1e3, "update_floor_ms": ubytes / (bw * 1e9) * 1e3,
+                     "torch_bwd_step_over_ours_sgd": t_tbwd / t_sgd, "sgd_over_floor": t_sgd / (ubytes / (bw * 1e9))}
+                results.append(r)
+                print(f"  {case}: lookup {r['lookup_ms']:.3f} ms (kernel {r['lookup_kernel_ms']:.3f}) torch "
+                      f"{r['torch_lookup_ms']:.3f} jax {r['jax_take_sum_ms']:.3f}; sgd {r['sgd_ms']:.3f} adagrad "
+                      f"{r['adagrad_ms']:.3f} torch step {r['torch_step_ms']:.3f}; max |ours - torch| {err:.2e}",
+                      flush=True)
+                targets[f"{case}: lookup <= torch ({r['lookup_ms']:.3f} vs {r['torch_lookup_ms']:.3f} ms)"] = \
+                    t_api <= t_torch
+                if k > 1:
+                    targets[f"{case}: lookup >= 60% of copy bandwidth ({100 * r['lookup_bw_fraction']:.0f}%)"] = \
+                        r["lookup_bw_fraction"] >= 0.6
+                targets[f"{case}: SGD >= 5x torch backward+step ({r['torch_bwd_step_over_ours_sgd']:.1f}x)"] = \
+                    r["torch_bwd_step_over_ours_sgd"] >= 5
+                targets[f"{case}: SGD within 1.5x of its traffic floor ({r['sgd_over_floor']:.2f}x)"] = \
+                    r["sgd_over_floor"] <= 1.5
+                del I, It, Ij, bags, out, g, gt
+        del table, Wt, Wj, emb, topt, W
+        cp.get_default_memory_pool().free_all_blocks()
+        torch.cuda.empty_cache()
+    print_table("Lookups (ms, medians; GB/s of rows read + output written)",
+                ["case", "ours", "kernel", "torch", "jax take+sum", "GB/s", "% copy bw", "torch/ours"],
+                [[r["case"], r["lookup_ms"], r["lookup_kernel_ms"], r["torch_lookup_ms"], r["jax_take_sum_ms"],
+                  r["lookup_GBps"], 100 * r["lookup_bw_fraction"], r["torch_over_ours_lookup"]] for r in results])
+    print_table("Updates (ms, medians)",
+                ["case", "unique", "ours SGD", "ours Adagrad", "torch fwd+bwd+step", "torch bwd+step", "floor",
+                 "torch/ours", "ours/floor"],
+                [[r["case"], r["unique_rows"], r["sgd_ms"], r["adagrad_ms"], r["torch_step_ms"], r["torch_bwd_step_ms"],
+                  r["update_floor_ms"], r["torch_bwd_step_over_ours_sgd"], r["sgd_over_floor"]] for r in results])
+    print_targets(targets)
+    write_json(args.out, {"environment": environment(), "quick": args.quick, "copy_GBps": bw, "results": results,
+                          "targets": {k: verdict(v) for k, v in targets.items()}})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Table-level entry points of the GPU path: a table's data as a CuPy array for one call.
+
+A CachedArray is pinned (``readable`` for lookups, ``writable`` for updates) while its kernels
+are queued; releasing the view records the work on CuPy's stream, so the region is not moved
+or reused under it. If the policy moved the array to a host level when it was pinned, the call
+returns ``NotImplemented`` and the caller runs the CPU kernels instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from cachedarrays import CachedArray, readable, writable
+
+from ..optim import RowwiseAdagrad
+from . import ops
+from .backend import cuda_backend
+
+
+@contextmanager
+def device_rows(data: Any, write: bool) -> Iterator[Any]:
+    """A CuPy array of the table's rows for one call, or None if they are on the host now."""
+    if isinstance(data, CachedArray):
+        view = (writable if write else readable)(data)
+        try:
+            arr = view.array
+            yield None if isinstance(arr, np.ndarray) else arr
+        finally:
+            view.release()
+        return
+    yield cuda_backend().asarray(data)
+
+
+_jax_gpu: bool | None = None
+
+
+def as_output(out: Any) -> Any:
+    """A lookup's CuPy output as a JAX array without a copy (CuPy where JAX has no GPU)."""
+    global _jax_gpu
+    if _jax_gpu is None:
+        try:
+            import jax
+            _jax_gpu = bool(jax.devices("gpu"))
+        except Exception:
+            _jax_gpu = False
+    if not _jax_gpu:
+        return out
+    import jax
+    return jax.dlpack.from_dlpack(out)
+
+
+def lookup(table: Any, indices: Any, offsets: Any, mode: str | None, weights: Any, out: Any = None) -> Any:
+    """``lookup`` / ``lookup_into`` of a SimpleEmbedding on a GPU (``NotImplemented``: on the host now)."""
+    be = cuda_backend()
+    with device_rows(table.data, write=False) as W:
+        if W is None:
+            return NotImplemented
+        result = ops.lookup(be, table.name, W, indices, offsets, mode=mode, weights=weights, out=out)
+    return result if out is not None else as_output(result)
+
+
+def state_for(optimizer: Any, table: Any) -> Any:
+    """The row-wise Adagrad accumulator of ``table`` on the device (None for SGD)."""
+    if not isinstance(optimizer, RowwiseAdagrad):
+        return None
+    return optimizer.device_state(table, lambda n, v: cuda_backend().xp.full(n, v, np.float32))
+
+
+def prepare(table: Any, grad: Any, indices: Any, offsets: Any, mode: str | None, weights: Any,
+            optimizer: Any) -> ops.PreparedUpdate:
+    """Validate a table's update (nothing written yet)."""
+    if table.eltype() != np.float32:
+        raise TypeError(f"{table.name}: GPU tables must be float32, not {table.eltype()}")
+    return ops.prepare_pullback(cuda_backend(), table.name, table.nvectors(), table.featuresize(), grad, indices,
+                                offsets, mode=mode, weights=weights, optimizer=optimizer)
+
+
+def apply(table: Any, prep: ops.PreparedUpdate, optimizer: Any) -> Any:
+    """Run a prepared update in place (``NotImplemented``: the rows are on the host now)."""
+    with device_rows(table.data, write=True) as W:
+        if W is None:
+            return NotImplemented
+        ops.apply_pullback(cuda_backend(), W, state_for(optimizer, table), prep, optimizer)
+    return None
+
+
+def pullback(table: Any, grad: Any, indices: Any, offsets: Any, mode: str | None, weights: Any,
+             optimizer: Any) -> Any:
+    """``pullback`` of a SimpleEmbedding on a GPU (``NotImplemented``: on the host now)."""
+    return apply(table, prepare(table, grad, indices, offsets, mode, weights, optimizer), optimizer)
+
+
+def ensemble_lookup(tables: list, indices, offsets, mode, weights, out: Any = None) -> Any:
+    """Every table into ``(batch, tables, featuresize)``; all batches validated before any kernel runs."""
+    be = cuda_backend()
+    T = len(tables)
+    offsets = [None] * T if offsets is None else list(offsets)
+    weights = [None] * T if weights is None else list(weights)
+    if not (len(indices) == len(offsets) == len(weights) == T):
+        raise ValueError(f"need one index array (and offsets, weights) per table: {T} tables")
+    bags = [ops.device_bags(be, t.name, t.nvectors(), i, o, w, mode)[0]
+            for t, i, o, w in zip(tables, indices, offsets, weights)]
+    _same_batch([b.nout for b in bags])
+    F = tables[0].featuresize()
+    shape = (bags[0].nout, T, F)
+    if out is None:
+        res = be.xp.empty(shape, np.float32)
+    else:
+        ops.check_out(be, out, shape, "ensemble")
+        res = out
+    for i, (t, b) in enumerate(zip(tables, bags)):
+        with device_rows(t.data, write=False) as W:
+            if W is None:
+                raise RuntimeError(f"{t.name}: moved off the GPU during an ensemble lookup")
+            ops.check_table(t.name, W)
+            ops.run_pooled(be, res[:, i, :], W, b)
+    return res if out is not None else as_output(res)
+
+
+def ensemble_pullback(tables: list, grad: Any, indices, offsets, mode, weights, optimizer) -> None:
+    """Every table's update; all validated (indices, gradient, finiteness) before any table changes."""
+    be = cuda_backend()
+    T = len(tables)
+    offsets = [None] * T if offsets is None else list(offsets)
+    weights = [None] * T if weights is None else list(weights)
+    if not (len(indices) == len(offsets) == len(weights) == T):
+        raise ValueError(f"need one index array (and offsets, weights) per table: {T} tables")
+    g3 = be.asarray(grad)
+    F = tables[0].featuresize()
+    if g3.ndim != 3 or g3.shape[1:] != (T, F):
+        raise ValueError(f"ensemble gradient shape {tuple(g3.shape)}, expected (batch, {T}, {F})")
+    preps = [prepare(t, g3[:, i, :], i_, o, mode, w, optimizer)
+             for i, (t, i_, o, w) in enumerate(zip(tables, indices, offsets, weights))]
+    _same_batch([p.bags.nout for p in preps])
+    for t, p in zip(tables, preps):
+        if apply(t, p, optimizer) is NotImplemented:
+            raise RuntimeError(f"{t.name}: moved off the GPU during an ensemble update")
+
+
+def _same_batch(n: list[int]) -> None:
+    if len(set(n)) != 1:
+        raise ValueError(f"all tables must produce the same batch size, got {sorted(set(n))}")

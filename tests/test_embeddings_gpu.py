@@ -1,0 +1,297 @@
+"""Embedding tables whose rows are in GPU memory (issue #19).
+
+Without a GPU (CI): the GPU path's driver (validation, update plan, dispatch) runs on the
+reference backend, whose lookup is the Pallas kernel in interpret mode and whose update is a
+numpy transcription of the CUDA kernel; both are checked against the numba CPU kernels, the
+lookups bit for bit (same summation order), the updates to float32 rounding. The CUDA source is
+compile-checked with nvcc where one is installed. ``gpu``-marked tests run the real thing.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+import embeddings as E
+from cachedarrays.devices import gpu as gpu_device
+from embeddings.gpu import cuda, ops
+from embeddings.gpu.backend import ReferenceBackend
+
+F_SIZES = (8, 12, 64, 256)
+
+
+def batch(rng, nvec: int, nbags: int, most: int, dup: bool = False):
+    """CSR bags of 0..most indices (some empty); ``dup``: indices from 3 rows only."""
+    sizes = rng.integers(0, most + 1, nbags)
+    sizes[: max(1, nbags // 5)] = 0
+    off = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+    idx = rng.integers(0, 3 if dup else nvec, int(off[-1])).astype(np.int32)
+    return idx, off
+
+
+def table(rng, nvec: int, F: int) -> np.ndarray:
+    return rng.standard_normal((nvec, F)).astype(np.float32)
+
+
+@pytest.mark.parametrize("F", F_SIZES)
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_pallas_lookup_equals_the_numba_kernels_bit_for_bit(F, mode):
+    rng = np.random.default_rng(F)
+    W = table(rng, 97, F)
+    t = E.SimpleEmbedding(W, "t")
+    for dup, most in ((False, 1), (False, 40), (True, 40)):
+        idx, off = batch(rng, 97, 23, most, dup)
+        expect = E.lookup(t, idx, off, mode=mode)
+        for be in (ReferenceBackend(), ReferenceBackend(device_indices=True)):
+            got = ops.lookup(be, "t", W, idx, off, mode=mode)
+            assert np.array_equal(got, expect), (F, mode, dup, most, np.abs(got - expect).max())
+
+
+def test_pallas_lookup_fixed_width_nonreducing_and_weighted():
+    rng = np.random.default_rng(1)
+    W = table(rng, 50, 64)
+    t = E.SimpleEmbedding(W, "t")
+    be = ReferenceBackend()
+    idx2 = rng.integers(0, 50, (9, 40))
+    assert np.array_equal(ops.lookup(be, "t", W, idx2), E.lookup(t, idx2))
+    assert np.array_equal(ops.lookup(be, "t", W, idx2[:, :1], mode="mean"), W[idx2[:, 0]])
+    flat = rng.integers(0, 50, 31)
+    assert np.array_equal(ops.lookup(be, "t", W, flat), W[flat])
+    idx, off = batch(rng, 50, 17, 12)
+    w = rng.random(idx.size).astype(np.float32)
+    for mode in ("sum", "mean"):
+        np.testing.assert_allclose(ops.lookup(be, "t", W, idx, off, mode=mode, weights=w),
+                                   E.lookup(t, idx, off, mode=mode, weights=w), rtol=1e-6, atol=1e-6)
+    out = np.full((9, 3 * 64), 7.0, np.float32)  # lookup_into a column slice
+    ops.lookup(be, "t", W, idx2, out=out[:, 64:128])
+    assert np.array_equal(out[:, 64:128], E.lookup(t, idx2)) and (out[:, :64] == 7).all()
+    assert ops.lookup(be, "t", W, np.zeros((0, 4), np.int64)).shape == (0, 64)
+
+
+@pytest.mark.parametrize("opt", [E.SGD, E.RowwiseAdagrad])
+@pytest.mark.parametrize("device_indices", [False, True])
+def test_reference_update_matches_the_cpu_pullback(opt, device_indices):
+    rng = np.random.default_rng(2)
+    be = ReferenceBackend(device_indices)
+    for F, dup, mode, weighted in ((64, False, "sum", False), (12, True, "mean", False), (8, True, "sum", True)):
+        W = table(rng, 40, F)
+        idx, off = batch(rng, 40, 11, 9, dup)
+        w = rng.random(idx.size).astype(np.float32) if weighted else None
+        g = rng.standard_normal((11, F)).astype(np.float32)
+        cpu = W.copy()
+        E.pullback(E.SimpleEmbedding(cpu, "t"), g, idx, off, mode=mode, weights=w, optimizer=opt(0.1))
+        dev, state = W.copy(), np.zeros(40, np.float32)
+        ops.pullback(be, "t", dev, state, g, idx, off, mode=mode, weights=w, optimizer=opt(0.1))
+        np.testing.assert_allclose(dev, cpu, rtol=2e-6, atol=2e-6)
+        touched = np.zeros(40, bool)
+        touched[idx] = True
+        assert np.array_equal(dev[~touched], W[~touched]) and not np.array_equal(dev[touched], W[touched])
+
+
+def test_update_plan_groups_each_rows_entries_in_batch_order():
+    be = ReferenceBackend()
+    idx = np.array([5, 2, 5, 9, 2, 5], np.int64)
+    keys, pbits, starts, U = ops.plan(be, idx, 10)
+    rows, pos = keys >> pbits, keys & ((1 << pbits) - 1)
+    assert U == 3 and rows[starts[:U]].tolist() == [2, 5, 9] and starts.tolist() == [0, 2, 5, 6]
+    assert pos.tolist() == [1, 4, 0, 2, 5, 3]
+
+
+@pytest.mark.parametrize("device_indices", [False, True])
+def test_bad_input_raises_the_cpu_error_before_anything_is_written(device_indices):
+    rng = np.random.default_rng(3)
+    W = table(rng, 20, 8)
+    be = ReferenceBackend(device_indices)
+    g = np.ones((3, 8), np.float32)
+    cases = [
+        (IndexError, dict(indices=np.array([[1, 2], [3, 20], [0, 0]]))),
+        (IndexError, dict(indices=np.array([1, -1, 2, 3]), offsets=np.array([0, 1, 3, 4]))),
+        (ValueError, dict(indices=np.array([1, 2, 3, 4]), offsets=np.array([0, 3, 1, 4]))),
+        (ValueError, dict(indices=np.array([1, 2, 3, 4]), offsets=np.array([0, 1, 3, 5]))),
+        (TypeError, dict(indices=np.array([[1.0, 2.0]] * 3))),
+        (ValueError, dict(indices=np.array([1, 2, 3]), mode="sum")),
+    ]
+    for exc, kw in cases:
+        with pytest.raises(exc) as cpu_err:
+            E.lookup(E.SimpleEmbedding(W.copy(), "emb"), **kw)
+        with pytest.raises(exc) as dev_err:
+            ops.lookup(be, "emb", W, **kw)
+        assert str(dev_err.value) == str(cpu_err.value)
+        before = W.copy()
+        with pytest.raises(exc, match="emb"):
+            ops.pullback(be, "emb", W, None, g, **kw,
+                         optimizer=E.SGD(0.1))
+        assert np.array_equal(W, before)
+    bad = g.copy()
+    bad[2, 5] = np.nan
+    with pytest.raises(FloatingPointError, match="emb: non-finite gradient in output row 2"):
+        ops.pullback(be, "emb", W, None, bad, np.array([[1, 2], [3, 4], [5, 6]]), optimizer=E.SGD(0.1))
+    assert np.array_equal(W, before)
+    with pytest.raises(ValueError, match=r"gradient shape \(2, 8\)"):
+        ops.pullback(be, "emb", W, None, g[:2], np.array([[1, 2], [3, 4], [5, 6]]), optimizer=E.SGD(0.1))
+    with pytest.raises(TypeError, match="float32"):
+        ops.lookup(be, "emb", W.astype(np.float64), np.array([1]))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc to compile-check the CUDA source")
+def test_cuda_source_compiles_with_nvcc(tmp_path):
+    src = tmp_path / "kernels.cu"
+    src.write_text(cuda.SOURCE)
+    r = subprocess.run(["nvcc", "-arch=sm_90", "--std=c++14", "--ptx", "-o", str(tmp_path / "k.ptx"), str(src)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    ptx = (tmp_path / "k.ptx").read_text()
+    for name in ("pooled_v4_i32", "pooled_v1_i64", "update_v4", "update_v1", "bad_index_i32", "nonfinite_row"):
+        assert f".entry {name}(" in ptx
+
+
+def test_numpy_tables_never_take_the_gpu_path():
+    from embeddings.gpu import table_on_gpu
+    assert not table_on_gpu(E.SimpleEmbedding(np.zeros((4, 8), np.float32)))
+
+
+# ---------------------------------------------------------------------------------------- on a GPU
+def _gpu_tables(W: np.ndarray):
+    """The same rows as a CuPy array, a JAX GPU array and a GPU-resident CachedArray (with its manager)."""
+    import cupy as cp
+    import jax
+    from cachedarrays import DRAM, GPU, PM, CachedArray, LRUPolicy, Manager
+    m = Manager(GPU("64MiB"), DRAM("64MiB"), PM(None, "128MiB"), policy=LRUPolicy())
+    x = CachedArray(W, m)
+    assert x.device == "GPU", x
+    return m, {"cupy": cp.asarray(W), "jax": jax.device_put(W, jax.devices("gpu")[0]), "cached": x}
+
+
+def _host(a) -> np.ndarray:
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
+@pytest.mark.parametrize("F", [8, 12, 64, 256])
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_gpu_lookup_equals_the_cpu_bit_for_bit(F, mode):
+    import jax
+    rng = np.random.default_rng(F)
+    W = table(rng, 1000, F)
+    cpu = E.SimpleEmbedding(W, "t")
+    m, datas = _gpu_tables(W)
+    with m:
+        for kind, data in datas.items():
+            t = E.SimpleEmbedding(data, "t")
+            for dup, most in ((False, 1), (False, 40), (True, 40)):
+                idx, off = batch(rng, 1000, 300, most, dup)
+                expect = E.lookup(cpu, idx, off, mode=mode)
+                got = E.lookup(t, idx, off, mode=mode)
+                assert isinstance(got, jax.Array) and got.devices().pop().platform == "gpu", (kind, type(got))
+                diff = np.abs(np.asarray(got) - expect).max() if expect.size else 0.0
+                assert np.array_equal(np.asarray(got), expect), f"{kind} F={F} {mode} dup={dup} most={most}: {diff}"
+                import cupy as cp
+                got_dev = E.lookup(t, cp.asarray(idx), cp.asarray(off), mode=mode)  # device indices
+                assert np.array_equal(np.asarray(got_dev), expect), kind
+            idx2 = rng.integers(0, 1000, (64, 40))
+            assert np.array_equal(np.asarray(E.lookup(t, idx2)), E.lookup(cpu, idx2)), kind
+            flat = rng.integers(0, 1000, 77)
+            assert np.array_equal(np.asarray(E.lookup(t, flat)), W[flat]), kind
+            w = rng.random(idx2.shape).astype(np.float32)
+            np.testing.assert_allclose(np.asarray(E.lookup(t, idx2, weights=w, mode=mode)),
+                                       E.lookup(cpu, idx2, weights=w, mode=mode), rtol=1e-5, atol=1e-5)
+        m.check()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
+def test_gpu_lookup_into_cupy_column_slices():
+    import cupy as cp
+    rng = np.random.default_rng(5)
+    W = table(rng, 500, 64)
+    t = E.SimpleEmbedding(cp.asarray(W), "t")
+    idx = rng.integers(0, 500, (128, 40))
+    out = cp.full((128, 3 * 64), 7.0, cp.float32)
+    r = E.lookup_into(out[:, 64:128], t, idx)
+    assert isinstance(r, cp.ndarray)
+    host = out.get()
+    assert np.array_equal(host[:, 64:128], E.lookup(E.SimpleEmbedding(W), idx)) and (host[:, :64] == 7).all()
+    with pytest.raises(TypeError, match="immutable"):
+        import jax.numpy as jnp
+        E.lookup_into(jnp.zeros((128, 64), jnp.float32), t, idx)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
+@pytest.mark.parametrize("opt", [E.SGD, E.RowwiseAdagrad])
+def test_gpu_pullback_matches_the_cpu(opt):
+    import cupy as cp
+    rng = np.random.default_rng(6)
+    for F, dup, mode, weighted in ((64, False, "sum", False), (256, True, "mean", False), (12, True, "sum", True),
+                                   (64, True, "sum", False)):
+        W = table(rng, 1000, F)
+        idx, off = batch(rng, 1000, 300, 40, dup)
+        w = rng.random(idx.size).astype(np.float32) if weighted else None
+        g = rng.standard_normal((300, F)).astype(np.float32)
+        cpu = W.copy()
+        E.pullback(E.SimpleEmbedding(cpu, "t"), g, idx, off, mode=mode, weights=w, optimizer=opt(0.05))
+        m, datas = _gpu_tables(W)
+        with m:
+            for kind, data in datas.items():
+                if kind == "jax":
+                    continue  # JAX arrays are immutable: updates go to CuPy arrays and CachedArrays
+                t = E.SimpleEmbedding(data, "t")
+                gd = cp.asarray(g) if kind == "cupy" else g
+                E.pullback(t, gd, idx, off, mode=mode, weights=w, optimizer=opt(0.05))
+                got = _host(data) if kind == "cupy" else np.asarray(data)
+                err = np.abs(got - cpu).max()
+                np.testing.assert_allclose(got, cpu, rtol=1e-5, atol=1e-5 * (40 if dup else 1),
+                                           err_msg=f"{kind} F={F} dup={dup} {mode} weighted={weighted}: {err}")
+            m.check()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
+def test_gpu_bad_input_raises_before_anything_is_written():
+    import cupy as cp
+    rng = np.random.default_rng(7)
+    W = table(rng, 100, 64)
+    d = cp.asarray(W)
+    t = E.SimpleEmbedding(d, "emb")
+    g = cp.ones((3, 64), cp.float32)
+    for indices in (np.array([[1, 2], [3, 100], [0, 0]]), cp.asarray(np.array([[1, 2], [3, 100], [0, 0]]))):
+        with pytest.raises(IndexError, match=r"emb: index 100 at position \(1, 1\) is out of range"):
+            E.lookup(t, indices)
+        with pytest.raises(IndexError, match=r"emb: index 100 at position \(1, 1\)"):
+            E.pullback(t, g, indices, optimizer=E.SGD(0.1))
+    bad = g.copy()
+    bad[1, 3] = cp.inf
+    for indices in (np.array([[1, 2], [3, 4], [0, 0]]), cp.asarray(np.array([[1, 2], [3, 4], [0, 0]]))):
+        with pytest.raises(FloatingPointError, match="emb: non-finite gradient in output row 1"):
+            E.pullback(t, bad, indices, optimizer=E.RowwiseAdagrad(0.1))
+    with pytest.raises(ValueError, match="offsets not monotone at bag 1"):
+        E.lookup(t, cp.asarray([1, 2, 3]), cp.asarray([0, 2, 1, 3]))
+    assert np.array_equal(d.get(), W)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
+def test_gpu_ensemble_matches_the_cpu():
+    import cupy as cp
+    rng = np.random.default_rng(8)
+    Ws = [table(rng, 300 + 100 * i, 64) for i in range(3)]
+    cpu = E.Ensemble([E.SimpleEmbedding(W.copy(), f"t{i}") for i, W in enumerate(Ws)])
+    dev = [cp.asarray(W) for W in Ws]
+    ens = E.Ensemble([E.SimpleEmbedding(d, f"t{i}") for i, d in enumerate(dev)])
+    idx = [rng.integers(0, W.shape[0], (128, 20)) for W in Ws]
+    assert np.array_equal(np.asarray(ens.lookup(idx)), cpu.lookup(idx))
+    g = rng.standard_normal((128, 3, 64)).astype(np.float32)
+    cpu.pullback(g, idx, optimizer=E.RowwiseAdagrad(0.1))
+    ens.pullback(cp.asarray(g), idx, optimizer=E.RowwiseAdagrad(0.1))
+    for i, d in enumerate(dev):
+        np.testing.assert_allclose(d.get(), cpu.tables[i].data, rtol=1e-5, atol=1e-5)
+    before = [d.get() for d in dev]
+    bad = [i.copy() for i in idx]
+    bad[2][5, 3] = 10 ** 6
+    with pytest.raises(IndexError, match=r"t2: index 1000000 at position \(5, 3\)"):
+        ens.pullback(cp.asarray(g), bad, optimizer=E.SGD(0.1))
+    assert all(np.array_equal(d.get(), b) for d, b in zip(dev, before))
