@@ -30,7 +30,7 @@ def aligned_empty(shape: int | tuple[int, ...], dtype: object = np.float32, alig
     ``align``-byte boundary (zero-copy into JAX, which wants 64)."""
     dt = np.dtype(dtype)
     shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    nbytes = math.prod(int(n) for n in shape) * dt.itemsize  # np.prod took 3 of 6 us per call
     raw = np.empty(nbytes + align, np.uint8)
     off = (-raw.ctypes.data) % align
     return raw[off:off + nbytes].view(dt).reshape(shape)

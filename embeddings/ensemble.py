@@ -105,7 +105,7 @@ class Ensemble:
             spec = spec_for(self._F)
             dist = prefetch_distance(srcs[0].base.shape[1] * srcs[0].base.itemsize)
             idxs = _same_dtype([b.indices for b in bags])
-            if bags[0].offsets is None:
+            if all(b.offsets is None or b.singles() for b in bags):
                 K.ensemble_gather(spec, out, bases, caches, slotss, srcs[0].codec, idxs, dist,
                                   get_num_threads())
             else:
