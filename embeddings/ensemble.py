@@ -22,7 +22,8 @@ from .kernels.rowaccess import entries, spec_for
 from .lookup import prefetch_distance, run_lookup
 from .optim import SGD, Optimizer, RowwiseAdagrad
 from .protocol import FORWARD, UPDATE, EmbeddingTable, RowSource
-from .pullback import bag_offsets, check_grad, make_plan, run_update, scratch_for, sort_buffers, workspace
+from .pullback import (bag_offsets, check_grad, gathered_grad, make_plan, run_update, scratch_for, sort_buffers,
+                       workspace)
 
 _MAX_TABLES = 64  # numba unpacks tuples into parallel regions only up to ~100 entries
 
@@ -144,6 +145,7 @@ class Ensemble:
         if shape[0] == 0 or self._F == 0:
             return
         T = len(self.tables)
+        g3 = gathered_grad(g3, sum(b.indices.size for b in bags))
         if T > _MAX_TABLES or config.serial(sum(b.indices.size for b in bags) * self._F):  # table by table
             for i, (t, b) in enumerate(zip(self.tables, bags)):
                 run_update(t, g3[:, i, :], make_plan(t, b), optimizer.code, float(optimizer.lr),

@@ -156,3 +156,50 @@ def test_cached_embeddings_from_an_unaligned_array_has_rows_on_lines(policy):
     np.testing.assert_array_equal(E.lookup(t, np.arange(200)), ref.data)
     np.testing.assert_array_equal(data, original)
     t.close()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gradient_off_its_lines_gives_the_same_update(threads, monkeypatch):
+    """Plan-driven updates (Adagrad, and an ensemble's) read a gradient whose rows are off their
+    lines through an aligned copy when they read each row more than once; results are identical
+    to those from an aligned gradient, and a single-read or aligned gradient is used as is."""
+    from embeddings.pullback import gathered_grad
+
+    rng = np.random.default_rng(threads)
+    F, B, k = 16, 12, 5
+    g = rng.standard_normal((B, F)).astype(np.float32)
+    off = shifted((B, F), np.float32, 16)
+    off[...] = g
+    on = E.aligned_empty((B, F))
+    on[...] = g
+    assert gathered_grad(off, B) is off and gathered_grad(on, B * k) is on
+    copy = gathered_grad(off, B * k)
+    assert copy is not off and rows_aligned(copy) and np.array_equal(copy, g)
+    g3 = shifted((B, 2, F), np.float32, 16)
+    g3[...] = rng.standard_normal((B, 2, F))
+    c3 = gathered_grad(g3, 2 * B * k)
+    assert rows_aligned(c3[:, 0, :]) and rows_aligned(c3[:, 1, :]) and np.array_equal(c3, g3)
+    data = rng.standard_normal((30, F)).astype(np.float32)
+    idx = rng.integers(0, 30, (B, k))
+    import sys
+    PB = sys.modules["embeddings.pullback"]
+    seen = []
+    for name in ("run_update", "run_parts"):  # one thread: a plan; two (thresholds at 0): per-thread row ranges
+        real = getattr(PB, name)
+        monkeypatch.setattr(PB, name, lambda t, g, *a, real=real: (seen.append(rows_aligned(g)), real(t, g, *a)))
+    with numba_threads(threads):
+        tables = []
+        for grad in (on, off):
+            t = E.SimpleEmbedding(data.copy())
+            E.pullback(t, grad, idx, mode="sum", optimizer=E.RowwiseAdagrad(0.1))
+            tables.append(t.data)
+        np.testing.assert_array_equal(*tables)
+        assert seen == [True, True]  # the update kernel read the off-line gradient through a copy on lines
+        on3 = E.aligned_empty((B, 2, F))
+        on3[...] = g3
+        results = []
+        for grad in (on3, g3):
+            ens = E.Ensemble([E.SimpleEmbedding(data.copy()), E.SimpleEmbedding(data.copy())])
+            ens.pullback(grad, [idx, idx], mode="sum", optimizer=E.RowwiseAdagrad(0.1))
+            results.append(np.stack([t.data for t in ens.tables]))
+        np.testing.assert_array_equal(*results)
