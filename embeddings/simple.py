@@ -79,13 +79,11 @@ class SimpleEmbedding(EmbeddingTable):
 
     ``align`` (default True): a numpy array whose rows do not start on cache lines
     (:func:`~embeddings.aligned.rows_aligned`; numpy puts large arrays 16 bytes past a page) is
-    copied once into memory that starts on a line, and ``table.data`` is then that copy:
-    ``pullback`` updates the copy, not the caller's array. The copy costs what copying the table
-    costs (0.1-0.2 s per GB here, as the ``astype`` that made such an array; more while the kernel
-    has to find fresh memory) and its memory for as long as the caller keeps the original; it
-    makes random-row lookups 1.3x-2.5x faster (a 256-byte row 16 bytes off a line touches five
-    lines, not four). It is read-only when the original was. ``align=False`` keeps the
-    caller's memory as is, so updates write through to it, at the speed of its placement.
+    copied once onto lines, and ``table.data`` is that copy, so ``pullback`` updates it and not
+    the caller's array (read-only stays read-only). Cost: one copy of the table (time and memory,
+    like the ``astype`` that made the array); random-row lookups then touch a line less per row
+    and ran 1.2-2.6x faster. ``align=False`` keeps the caller's memory as is: updates write
+    through to it, lookups run at the speed of its placement.
     ``copied`` says whether a copy was made.
     """
 
