@@ -8,10 +8,11 @@ library allocates for lookups comes from :func:`aligned_empty`, and callers of `
 can use it for theirs.
 
 Tables matter more: a random row of 256 bytes that starts 16 bytes off a line touches five lines
-instead of four. Pooled lookups (16384 bags of 40 uniform rows from 1M, 2 threads) from a table
-16 bytes off a line took 1.3x (F=16, F=64) to 2.5x (F=24) the time of the same rows on a line, so
-``SimpleEmbedding`` copies a numpy table whose rows are misplaced (:func:`rows_aligned`) into
-:func:`aligned_copy` unless told not to.
+instead of four. Pooled lookups (16384 bags of 40 from 1M rows, uniform or Zipf, 2 threads) from
+a table 16 bytes off a line took 1.2x (F=256) to 1.8x (F=64) the time of the same rows on a line,
+and 2.2-2.6x at F=24 (96-byte rows, every other one then on three lines), so ``SimpleEmbedding``
+copies a numpy table whose rows are misplaced (:func:`rows_aligned`) into :func:`aligned_copy`
+unless told not to.
 """
 
 from __future__ import annotations
