@@ -58,7 +58,8 @@ def rows_aligned(a: np.ndarray) -> bool:
 def aligned_copy(a: np.ndarray) -> np.ndarray:
     """A C-contiguous copy of ``a`` (same shape and dtype, always writeable) starting on a cache
     line. Copied by ``cachedarrays.copy.copy_bytes`` (two threads from 16 MB): a 256 MB table took
-    24 ms here (10 GB/s, first touch of the new memory included) against numpy's 43 ms."""
+    24 ms here (10 GB/s, first touch of the new memory included) against numpy's 43 ms, and
+    several times that while the kernel had to find fresh memory for it."""
     out = aligned_empty(a.shape, a.dtype)
     if a.flags.c_contiguous:
         copy_bytes(out.reshape(-1).view(np.uint8), a.reshape(-1).view(np.uint8))
