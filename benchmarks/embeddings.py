@@ -19,8 +19,9 @@ Cases: tables of --rows rows (default 1,000,000), feature sizes 16/64/256, batch
   lookup untimed just before the timed update, as a training step does.
 
 All runs of one case are interleaved round by round, so a noisy neighbour slows all of them
-alike; each timed lookup follows an untimed identical one, so it finds the caches as its own
-previous call left them, whichever table ran before it; times are medians, and ours/torch is the median of the per-round ratios (each path over
+alike; each timed lookup follows an untimed identical one and a millisecond of idling, so it
+finds the caches as its own previous call left them and the threads asleep (:func:`warmed`);
+times are medians, and ours/torch is the median of the per-round ratios (each path over
 its own torch call). Bytes are the table rows read (k * batch * featuresize * 4), compared with a
 sequential read bandwidth ("ref GB/s"): for uniform pooled cases (k > 1, whose random rows do not fit in any cache, so a
 probe between rounds changes nothing for them) a 2-thread read of the probe buffer timed in
@@ -172,6 +173,27 @@ def interleaved(fns: dict, repeats: int, skip: dict | None = None, pairs: dict |
     return res
 
 
+IDLE_S = 3e-4  # after a lookup's warming call: both thread pools (spinning ~50 us) fall asleep
+
+
+def warmed(run):
+    """The setup of a timed lookup: the same call, untimed, then ``IDLE_S`` of busy idling.
+
+    Three tables take turns in a round, and the first call of a round on each found the others'
+    rows in L3 (tuned Zipf F=64 k=1: 0.45-0.49 ms that way, 0.12 ms after an identical call); so
+    each timed call finds the caches as its own previous call left them, as in training. The idle
+    time lets the worker threads of both libraries fall asleep, as other work between two lookups
+    would: right after its own call torch's pool still spun (F=16 k=1, which we run on the
+    calling thread, took torch 0.07 ms instead of 0.10-0.13). It spins rather than sleeps: a
+    sleep handed the core to other tenants, whose work evicted the rows and doubled every time."""
+    def setup() -> None:
+        run()
+        end = time.perf_counter() + IDLE_S
+        while time.perf_counter() < end:
+            pass
+    return setup
+
+
 def lookup_case(torch, table, tt, user, idx, offsets, B, k, F, repeats, numpy_repeats, probe=None):
     """Time the tuned path (``table``: aligned, ``lookup_into``) and the user path (``user``: a
     :class:`UserTable`, ``lookup`` with CSR offsets and 2-D indices) against torch on each one's
@@ -195,11 +217,7 @@ def lookup_case(torch, table, tt, user, idx, offsets, B, k, F, repeats, numpy_re
         "user-2d": lambda: E.lookup(user.table, idx2, mode="sum"),
         "user-keep": lambda: E.lookup(user.kept, idx, offsets, mode="sum"),
     }
-    # every timed lookup follows an untimed identical one (its setup), so each finds the caches as
-    # a previous call on its own table left them, as in training; three tables take turns here,
-    # and the first call of a round on each found the others' rows in L3 (tuned Zipf F=64 k=1:
-    # 0.45-0.49 ms that way, 0.12 ms after an identical call)
-    fns = {name: (run, run) for name, run in runs.items()}
+    fns = {name: (warmed(run), run) for name, run in runs.items()}
     fns["numpy"] = (lambda: None, lambda: table[idx].reshape(B, k, F).sum(1))
     if probe is not None:
         fns["bandwidth"] = (lambda: None, probe)
