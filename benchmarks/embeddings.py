@@ -168,7 +168,7 @@ def interleaved(fns: dict, repeats: int, skip: dict | None = None, pairs: dict |
             run()
             times[name].append(time.perf_counter() - t0)
     res = {n: float(np.median(v)) for n, v in times.items()}
-    for key, (a, b) in (pairs or {"ours/torch": ("ours", "torch")}).items():
+    for key, (a, b) in ({"ours/torch": ("ours", "torch")} if pairs is None else pairs).items():
         res[key] = float(np.median(np.array(times[a]) / np.array(times[b])))
     return res
 
