@@ -5,9 +5,11 @@ Public API
 * Table protocol (Table 5.2): ``eltype(t)``, ``featuresize(t)``, ``nvectors(t)``, ``example(t)``
   and ``t.rows(context, indices, writable)`` with the contexts ``Forward`` / ``Update`` / None
   (:mod:`embeddings.protocol`).
-* ``SimpleEmbedding(data, name=...)``: a row-major ``(nvectors, featuresize)`` table over a numpy
-  array or any object with ``__array__`` (a CachedArray); float32, float64, float16 or bfloat16
-  storage, always float32 accumulation (:mod:`embeddings.simple`).
+* ``SimpleEmbedding(data, name=..., align=True)``: a row-major ``(nvectors, featuresize)`` table
+  over a numpy array or any object with ``__array__`` (a CachedArray); float32, float64, float16
+  or bfloat16 storage, always float32 accumulation (:mod:`embeddings.simple`). A numpy array
+  whose rows are off their cache lines is copied onto them once (``table.data``; updates go
+  there), unless ``align=False`` (:mod:`embeddings.aligned`).
 * ``lookup(t, indices, offsets=None, *, mode=None, weights=None)`` and ``lookup_into(out, ...)``:
   non-reducing, CSR-pooled or fixed-width ``(batch, k)`` pooled, sum or mean, optional per-sample
   weights; ``out`` may be a column slice of a wider array (:mod:`embeddings.lookup`);

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kernels.checks import first_bad_offset, out_of_range
+from .kernels.checks import first_bad_offset, is_range, out_of_range
 
 _EMPTY_W = np.empty(0, np.float32)
 
@@ -32,6 +32,14 @@ class Bags:
     def nout(self) -> int:
         """Number of output rows."""
         return self.indices.size if self.offsets is None else self.offsets.size - 1
+
+    def singles(self) -> bool:
+        """Whether this is a pooled batch of exactly one index per bag without weights (2-d
+        ``(batch, 1)`` indices, or CSR offsets ``0, 1, ..., n``): each output row is then one
+        table row, for sum and mean alike, and the lookup runs as a gather (a plain copy per
+        row, streaming stores for large outputs, no accumulator)."""
+        return (self.offsets is not None and self.weights.size == 0 and self.indices.size == self.nout
+                and (len(self.shape) == 2 or bool(is_range(self.offsets))))
 
 
 def _as_index_array(x: object, what: str, name: str) -> np.ndarray:

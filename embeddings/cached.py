@@ -60,7 +60,9 @@ class CachedEmbeddings(EmbeddingTable):
     """An embedding table whose hot rows are cached in the fast device.
 
     ``base`` is a 2-d CachedArray (moved to the slow device if it is not there) or an
-    array-like, copied into a new CachedArray in the slow device of ``manager``.
+    array-like, copied into a new CachedArray in the slow device of ``manager`` (updates then go
+    to that copy, never to the caller's array). Either way the base table and the cache start on
+    a cache line (regions are 64-byte aligned), as ``SimpleEmbedding`` places its rows.
     ``cache_rows`` (or ``cache_fraction`` of the rows) bounds the cache:
     ``cachelower + cacheslack == cache_rows``; ``cacheslack`` defaults to a tenth of it (at
     least one page).  ``hot`` gives the rows the static policy caches (default: random rows

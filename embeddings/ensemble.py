@@ -23,7 +23,8 @@ from .gpu import table_on_gpu
 from .lookup import gpu_tables, prefetch_distance, run_lookup
 from .optim import SGD, Optimizer, RowwiseAdagrad
 from .protocol import FORWARD, UPDATE, EmbeddingTable, RowSource
-from .pullback import bag_offsets, check_grad, make_plan, run_update, scratch_for, sort_buffers, workspace
+from .pullback import (bag_offsets, check_grad, gathered_grad, make_plan, run_update, scratch_for, sort_buffers,
+                       workspace)
 
 _MAX_TABLES = 64  # numba unpacks tuples into parallel regions only up to ~100 entries
 
@@ -120,7 +121,7 @@ class Ensemble:
             spec = spec_for(self._F)
             dist = prefetch_distance(srcs[0].base.shape[1] * srcs[0].base.itemsize)
             idxs = _same_dtype([b.indices for b in bags])
-            if bags[0].offsets is None:
+            if all(b.offsets is None or b.singles() for b in bags):
                 K.ensemble_gather(spec, out, bases, caches, slotss, srcs[0].codec, idxs, dist,
                                   get_num_threads())
             else:
@@ -162,6 +163,7 @@ class Ensemble:
         if shape[0] == 0 or self._F == 0:
             return
         T = len(self.tables)
+        g3 = gathered_grad(g3, sum(b.indices.size for b in bags))
         if T > _MAX_TABLES or config.serial(sum(b.indices.size for b in bags) * self._F):  # table by table
             for i, (t, b) in enumerate(zip(self.tables, bags)):
                 run_update(t, g3[:, i, :], make_plan(t, b), optimizer.code, float(optimizer.lr),

@@ -60,7 +60,7 @@ def run_lookup(out: np.ndarray, src: RowSource, bags: Bags) -> None:
     spec = spec_for(out.shape[1])
     P = get_num_threads()
     serial = config.serial(bags.indices.size * out.shape[1])
-    if bags.offsets is None:
+    if bags.offsets is None or bags.singles():
         stream = streams(out)
         if serial:
             K.gather_serial(spec, out, src.base, src.cache, src.slots, src.codec, bags.indices, dist, stream)

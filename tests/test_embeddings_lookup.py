@@ -295,3 +295,44 @@ def test_large_aligned_lookups_reach_the_kernel_as_streaming(monkeypatch):
         assert np.array_equal(dst, src)
     ir = "".join(copy_row.inspect_llvm().values())
     assert ir.count("!nontemporal") >= 1 + 4  # every store of both: one 8-wide, four 16-wide
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bags_of_one_run_as_a_gather(threads, monkeypatch):
+    """Pooled lookups with exactly one index per bag and no weights ((batch, 1) indices, or CSR
+    offsets 0..n) reach the gather kernel and equal the rows, for sum and mean, alone and in an
+    ensemble; n indices in n bags with an empty bag, or weights, stay pooled."""
+    from embeddings.batch import make_bags
+    from embeddings.kernels import ensemble as KE
+    from embeddings.kernels import lookup as K
+
+    rng = np.random.default_rng(threads)
+    table = rng.standard_normal((40, 64)).astype(np.float32)
+    t = E.SimpleEmbedding(table)
+    idx = rng.integers(0, 40, 30)
+    calls = []
+    for name in ("gather", "gather_serial", "pooled", "pooled_serial"):
+        real = getattr(K, name)
+        monkeypatch.setattr(K, name, lambda *a, real=real, name=name: (calls.append(name), real(*a)))
+    real_eg = KE.ensemble_gather
+    monkeypatch.setattr(KE, "ensemble_gather", lambda *a: (calls.append("ensemble_gather"), real_eg(*a)))
+    with numba_threads(threads):
+        for mode in ("sum", "mean"):
+            for args in ((idx.reshape(-1, 1),), (idx, np.arange(31))):
+                assert make_bags("t", 40, *args, mode=mode).singles()
+                calls.clear()
+                assert np.array_equal(E.lookup(t, *args, mode=mode), table[idx])
+                assert calls and calls[0].startswith("gather")
+        ens = E.Ensemble([t, E.SimpleEmbedding(table[::-1].copy())])
+        calls.clear()
+        both = ens.lookup([idx.reshape(-1, 1), idx.reshape(-1, 1)], mode="sum")
+        assert np.array_equal(both[:, 0], table[idx]) and np.array_equal(both[:, 1], table[::-1][idx])
+        assert calls == (["ensemble_gather"] if threads > 1 else ["gather_serial"] * 2)
+        holes = np.array([0, 0, 2] + list(range(3, 31)))  # 30 indices in 30 bags, the first one empty
+        w = np.ones(30, np.float32)
+        for args, kw in (((idx, holes), {}), ((idx, np.arange(31)), {"weights": w})):
+            assert not make_bags("t", 40, *args, weights=kw.get("weights"), mode="sum").singles()
+            calls.clear()
+            got = E.lookup(t, *args, mode="sum", **kw)
+            assert calls and calls[0].startswith("pooled")
+            np.testing.assert_allclose(got, ref_pooled(table, idx, args[1]), rtol=1e-6, atol=1e-6)

@@ -84,6 +84,17 @@ def first_bad_offset(offsets):
     return -1
 
 
+@njit(cache=True)
+def is_range(offsets):
+    """Whether offsets[b] == b for every b (1-d, contiguous): a branch-free OR that vectorises
+    (validated CSR offsets of n indices in n bags are this exactly when no bag is empty)."""
+    v = carray(address_as_pointer(offsets.ctypes.data, offsets), offsets.size)
+    bad = 0
+    for b in range(offsets.size):
+        bad |= np.int32(v[b] != b)
+    return bad == 0
+
+
 @njit(cache=True, inline="always")
 def _all_finite(a, n):
     """Whether a[:n] (a contiguous float vector) is all finite: ``v - v`` is 0 for a finite v and
