@@ -340,12 +340,9 @@ class AsyncManagerMachine(ManagerMachine):
         dev = self.m.levels[level]
         if x.device is dev:
             return
-        y = self.m.getlinked(x, dev)
+        y = self.linked_or_new(x, dev)
         if y is None:
-            y = self.m.allocate(dev, x.nbytes)
-            if y is None:
-                return
-            self.m.link(x, y)
+            return
         self.m.copyto_async(y, x)
         if switch:
             self.m.set_primary(obj, y)     # the next read of y waits for the copy

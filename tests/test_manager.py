@@ -214,15 +214,20 @@ class ManagerMachine(RuleBasedStateMachine):
     def copy_to_other_device(self, data):
         obj, mirror = self._pick(data)
         x = self.m.primary(obj)
-        other = self.m.slow if x.device is self.m.fast else self.m.fast
-        y = self.m.getlinked(x, other)
+        y = self.linked_or_new(x, self.m.slow if x.device is self.m.fast else self.m.fast)
         if y is None:
-            y = self.m.allocate(other, x.nbytes)
-            if y is None:
-                return
-            self.m.link(x, y)
+            return
         self.m.copyto(y, x)
         self.m.mark_clean(x)
+
+    def linked_or_new(self, x, device):
+        """``x``'s linked region on ``device``, or a new one linked to it (None if it does not fit)."""
+        y = self.m.getlinked(x, device)
+        if y is None:
+            y = self.m.allocate(device, x.nbytes)
+            if y is not None:
+                self.m.link(x, y)
+        return y
 
     @precondition(lambda self: self.objs)
     @rule(data=st.data())

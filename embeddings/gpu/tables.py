@@ -94,14 +94,20 @@ def pullback(table: Any, grad: Any, indices: Any, offsets: Any, mode: str | None
     return apply(table, prepare(table, grad, indices, offsets, mode, weights, optimizer), optimizer)
 
 
-def ensemble_lookup(tables: list, indices, offsets, mode, weights, out: Any = None) -> Any:
-    """Every table into ``(batch, tables, featuresize)``; all batches validated before any kernel runs."""
-    be = cuda_backend()
-    T = len(tables)
+def _per_table(T: int, indices, offsets, weights) -> tuple[list, list]:
+    """Offsets and weights as one entry per table (None where not given), checked against ``indices``."""
     offsets = [None] * T if offsets is None else list(offsets)
     weights = [None] * T if weights is None else list(weights)
     if not (len(indices) == len(offsets) == len(weights) == T):
         raise ValueError(f"need one index array (and offsets, weights) per table: {T} tables")
+    return offsets, weights
+
+
+def ensemble_lookup(tables: list, indices, offsets, mode, weights, out: Any = None) -> Any:
+    """Every table into ``(batch, tables, featuresize)``; all batches validated before any kernel runs."""
+    be = cuda_backend()
+    T = len(tables)
+    offsets, weights = _per_table(T, indices, offsets, weights)
     bags = [ops.device_bags(be, t.name, t.nvectors(), i, o, w, mode)[0]
             for t, i, o, w in zip(tables, indices, offsets, weights)]
     _same_batch([b.nout for b in bags])
@@ -125,10 +131,7 @@ def ensemble_pullback(tables: list, grad: Any, indices, offsets, mode, weights, 
     """Every table's update; all validated (indices, gradient, finiteness) before any table changes."""
     be = cuda_backend()
     T = len(tables)
-    offsets = [None] * T if offsets is None else list(offsets)
-    weights = [None] * T if weights is None else list(weights)
-    if not (len(indices) == len(offsets) == len(weights) == T):
-        raise ValueError(f"need one index array (and offsets, weights) per table: {T} tables")
+    offsets, weights = _per_table(T, indices, offsets, weights)
     g3 = be.asarray(grad)
     F = tables[0].featuresize()
     if g3.ndim != 3 or g3.shape[1:] != (T, F):
