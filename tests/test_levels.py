@@ -52,9 +52,8 @@ def test_bad_level_lists_are_refused_with_the_reason():
         Manager(DRAM("1MiB"))
 
 
+@pytest.mark.skipif(gpu.available(), reason="a GPU is present: tests/test_gpu.py covers the GPU device")
 def test_gpu_without_cuda_is_a_clear_error():
-    if gpu.available():
-        pytest.skip("a GPU is present: tests/test_gpu.py covers it")
     with pytest.raises(DeviceUnavailableError, match="CuPy|CUDA"):
         ca.GPU("64MiB")
 
