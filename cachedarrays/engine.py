@@ -51,7 +51,7 @@ class Completion:
     """
 
     __slots__ = ("src", "dst", "nbytes", "submitted", "started", "finished", "error", "waited",
-                 "cuda_start", "cuda_end", "gpu_uses", "settled", "issued", "_event", "__weakref__")
+                 "cuda_start", "cuda_end", "gpu_uses", "issued", "_event", "__weakref__")
 
     def __init__(self, src: str, dst: str, nbytes: int, background: bool = True):
         self.src = src
@@ -65,7 +65,6 @@ class Completion:
         self.cuda_start = None
         self.cuda_end = None
         self.gpu_uses: list = []  # CUDA events recorded on consumer streams that waited on this copy
-        self.settled = False  # the manager has accounted for it (and handled its error)
         self.issued = False
         self._event = threading.Event() if background else None  # a copy on this thread needs none
 

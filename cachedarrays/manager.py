@@ -787,7 +787,6 @@ class Manager:
     def _noop(self, src: Region) -> Completion:
         completion = Completion(src.device.name, src.device.name, 0)
         completion.finish()
-        completion.settled = True
         return completion
 
     def _submitted(self, completion: Completion, dst: Region, src: Region) -> None:
@@ -819,7 +818,6 @@ class Manager:
             if completion.gpu_uses and not all(e.done for e in completion.gpu_uses):
                 keep.append(entry)  # the exposed time is known once the consumer got there
                 continue
-            completion.settled = True
             self.telemetry_data.timed(src.device, dst.device, completion.duration(), completion.exposed())
             if completion.error is not None:
                 self._failed(completion, dst, src)
