@@ -440,10 +440,7 @@ class Manager:
             blocked += fill.wait()
         for w in _waits(region, write):
             blocked += w.wait()
-        if (fill is not None and fill.error is not None) or (record is not None and record.error is not None):
-            with self._locked():
-                self._reap()
-                self._raise_failed(record)
+        self._raise_if_failed(fill, record)
         return blocked
 
     def ready_on(self, region: Region, stream, write: bool = True, mark=None) -> None:
@@ -455,10 +452,7 @@ class Manager:
         record = region.owner
         fill = region.fill
         wait_on_stream([w for w in (fill, *_waits(region, write)) if w is not None and not w.done()], stream, mark)
-        if (fill is not None and fill.error is not None) or (record is not None and record.error is not None):
-            with self._locked():
-                self._reap()
-                self._raise_failed(record)
+        self._raise_if_failed(fill, record)
 
     def add_use(self, region: Region, use: Waitable) -> None:
         """Record that a consumer (e.g. a GPU kernel) still uses ``region``'s bytes until ``use`` is done."""
@@ -849,6 +843,13 @@ class Manager:
 
     def _what(self, region: Region) -> str:
         return f"object {region.owner.id}" if region.owner is not None else str(region)
+
+    def _raise_if_failed(self, fill: Completion | None, record: _Record | None) -> None:
+        """After a wait: if the region's fill failed, settle it (`_failed`) and raise its `CopyError`."""
+        if (fill is not None and fill.error is not None) or (record is not None and record.error is not None):
+            with self._locked():
+                self._reap()
+                self._raise_failed(record)
 
     @staticmethod
     def _raise_failed(record: _Record | None) -> None:

@@ -179,6 +179,7 @@ def test_a_prefetch_overlaps_compute_on_the_cpu():
             w[:] = 1.5
         m.reset_telemetry()
         ca.prefetch(x)
+        assert not m.primary(x.object).fill.done()    # prefetch returned while the copy runs
         acc = np.zeros(1 << 16)
         deadline = time.perf_counter() + 0.2
         while time.perf_counter() < deadline:         # compute while the copy runs

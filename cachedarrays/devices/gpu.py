@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -157,8 +158,10 @@ class CudaUse:
         return bool(self.cuda_event.done)
 
     def wait(self) -> float:
+        """Block until the consumer's work is done; returns the seconds blocked (the Waitable protocol)."""
+        t0 = time.perf_counter()
         self.cuda_event.synchronize()
-        return 0.0
+        return time.perf_counter() - t0
 
 
 class JaxUse(CudaUse):
