@@ -20,7 +20,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 from .annotations import cleanup, evict, noescape, onobjects, prefetch, preserve, softevict, unsafe_free
-from .array import CachedArray, Status, assign, readable, release, similar, writable
+from .array import CachedArray, Status, assign, readable, release, release_together, similar, writable
 from .devices import DRAM, GPU, PM, Bandwidth, Device, Heap
 from .errors import (CachedArraysError, CopyError, DeviceUnavailableError, InvariantError, ObjectNotFoundError,
                      OutOfMemoryError, PersistentObjectError, PinnedError, PMCorruptError, PMFormatError,
@@ -36,5 +36,5 @@ __all__ = [
     "OutOfMemoryError", "PM", "PMCorruptError", "PMFormatError", "PersistentObjectError", "PinnedError", "Policy",
     "Pool", "PoolLockedError", "PoolMismatchError", "Region", "Status", "StatusError", "TwoLevelCachePolicy",
     "UseAfterFreeError", "assign", "cleanup", "evict", "format_size", "noescape", "onobjects", "parse_size",
-    "persistent", "prefetch", "preserve", "readable", "release", "similar", "softevict", "unsafe_free", "writable",
+    "persistent", "prefetch", "preserve", "readable", "release", "release_together", "similar", "softevict", "unsafe_free", "writable",
 ]

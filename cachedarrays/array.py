@@ -181,11 +181,16 @@ class CachedArray(NDArrayOperatorsMixin):
             self.manager.unpin(self.object)
         return self
 
-    def _record_gpu_uses(self) -> None:
+    def _record_gpu_uses(self, uses: dict | None = None) -> None:
+        """Record this view's GPU consumers as uses of its region; ``uses`` (consumer -> use) shares
+        one record among several views (`release_together`)."""
         from .devices.gpu import CudaUse, JaxUse
         region = self.manager.primary(self.object)
+        uses = {} if uses is None else uses
         for consumer in self._gpu_consumers:
-            self.manager.add_use(region, CudaUse() if consumer == "cupy" else JaxUse(consumer))
+            if consumer not in uses:
+                uses[consumer] = CudaUse() if consumer == "cupy" else JaxUse(consumer)
+            self.manager.add_use(region, uses[consumer])
         self._gpu_consumers.clear()
 
     def __enter__(self):
@@ -406,6 +411,22 @@ def writable(x: CachedArray) -> CachedArray:
     with x.manager.lock():
         x.policy.write_use(x.object)
         return _wrap(x, Status.ReadWrite)
+
+
+def release_together(views) -> list:
+    """Release several views at once; returns the GPU use records made (CUDA events).
+
+    A device runs a consumer's work in order, so one record per consumer (one CuPy event, one tiny
+    JAX computation per JAX device) covers every view used before it: a kernel that read three
+    views pays for one record, not three.  Host views are released as by `CachedArray.release`."""
+    uses: dict = {}
+    for v in views:
+        if v.status is Status.NotBusy or v._released:
+            continue
+        if v._gpu_consumers:
+            v._record_gpu_uses(uses)
+        v.release()
+    return list(uses.values())
 
 
 def release(x: CachedArray) -> CachedArray:

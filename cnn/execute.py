@@ -3,11 +3,20 @@
 `Executor.call` takes ``readable`` views of the input CachedArrays (telling the
 policy of the use and pinning them), imports them into JAX with
 ``jax.dlpack.from_dlpack`` (zero-copy: regions are 64-byte aligned and
-C-contiguous), runs the kernel to completion, drops the JAX aliases and
-releases the views, and only then copies each output into a new CachedArray
-allocated through the policy.  Releasing the inputs before the outputs are
-allocated means a kernel needs room in fast memory for its inputs, or for one
-output, never for both at once.
+C-contiguous), runs the kernel, releases the views, and only then copies each
+output into a new CachedArray allocated through the policy.  Releasing the
+inputs before the outputs are allocated means a kernel needs room in fast
+memory for its inputs, or for one output, never for both at once.
+
+On the host the kernel runs to completion before the views are released.  On a
+GPU nothing waits: the kernel is dispatched on JAX's stream (which waits on the
+GPU for copies into its inputs), one use record (`release_together`) keeps the
+inputs' regions from being moved or reused before the kernel has read them, and
+each output is copied device to device into the region the policy chose
+(`cachedarrays.assign`'s path, without its host wait: the JAX value is kept
+alive until its copy is done instead).  An output the policy placed in host
+memory is copied there (that one waits).  The use records double as the device
+clock of learned prefetch (`timeline`).
 
 The executor also counts where the kernels' operands lived (fast or slow) when
 they were touched, because a kernel reading or writing the slow device directly
@@ -16,6 +25,7 @@ is traffic the manager's copy counters do not see.
 
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -23,7 +33,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from cachedarrays import CachedArray, Manager, readable, writable
+from cachedarrays import CachedArray, Manager, readable, release_together, writable
 
 
 @dataclass
@@ -49,10 +59,19 @@ class KernelStats:
 
 @dataclass
 class Executor:
-    """Runs kernels on CachedArrays of one manager; see the module docstring."""
+    """Runs kernels on CachedArrays of one manager; see the module docstring.
+
+    ``timeline``: on a GPU, a `cachedarrays.devices.gpu.DeviceClock` told of every kernel's use
+    record (learned prefetch reads device time from it)."""
 
     manager: Manager
     stats: KernelStats = field(default_factory=KernelStats)
+    timeline: Any = None
+
+    def __post_init__(self):
+        self.gpu = self.manager.fast.memory_space != "host"
+        self._device = None
+        self._keep: collections.deque = collections.deque()  # (event, values) until the GPU copied them
 
     def _where(self, x: CachedArray) -> bool:
         return x.policy.in_fast(x.object)
@@ -62,9 +81,23 @@ class Executor:
             self.stats.max_working_set = nbytes
             self.stats.max_working_set_kernel = name
 
+    def _jax_input(self, view: CachedArray):
+        if self.gpu and self.manager.primary(view.object).device.memory_space == "host":
+            # a host-resident input of a GPU kernel (a policy that leaves misses where they are):
+            # JAX gets its own copy of the bytes, which stay valid after the view is released
+            return jax.device_put(np.array(view.array), self._gpu_device())
+        return jax.dlpack.from_dlpack(view)
+
+    def _gpu_device(self):
+        if self._device is None:
+            index = self.manager.fast.index
+            self._device = next(d for d in jax.devices() if d.platform == "gpu"
+                                and getattr(d, "local_hardware_id", d.id) == index)
+        return self._device
+
     def run(self, kernel: Callable, inputs: Sequence[CachedArray], *args: Any, **static: Any) -> tuple:
-        """Run ``kernel(*jax_inputs, *args, **static)`` with zero-copy inputs; return its outputs as host
-        numpy arrays (views of JAX buffers, owned by no device), after the inputs were released."""
+        """Run ``kernel(*jax_inputs, *args, **static)`` with zero-copy inputs; return its outputs (JAX arrays;
+        on the host, done), after the inputs were released."""
         t0 = time.perf_counter()
         views = [readable(x) for x in inputs]
         try:
@@ -79,35 +112,51 @@ class Executor:
                     self.stats.read_fast += v.nbytes
                 else:
                     self.stats.read_slow += v.nbytes
-            jx = [jax.dlpack.from_dlpack(v) for v in views]
+            jx = [self._jax_input(v) for v in views]
             out = kernel(*jx, *args, **static)
-            out = jax.block_until_ready(out)
+            if not self.gpu:
+                out = jax.block_until_ready(out)
             del jx
         finally:
-            for v in views:
-                v.release()
-        single = not isinstance(out, (tuple, list))
-        outs = (out,) if single else tuple(out)
-        host = tuple(np.asarray(o) for o in outs)
-        self._working_set(max(nbytes, max((h.nbytes for h in host), default=0)), getattr(kernel, "__name__", "kernel"))
+            uses = release_together(views)
+        if self.timeline is not None and uses:
+            self.timeline.note(uses[-1].cuda_event)
+        outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        self._working_set(max(nbytes, max((o.nbytes for o in outs), default=0)), getattr(kernel, "__name__", "kernel"))
         self.stats.calls += 1
         self.stats.seconds += time.perf_counter() - t0
-        return host
+        return outs
 
-    def store(self, host: np.ndarray) -> CachedArray:
+    def store(self, value) -> CachedArray:
         """Copy a kernel output into a new CachedArray placed by the policy."""
-        y = CachedArray(host.shape, self.manager, host.dtype)
-        self.copy_into(y, host)
+        y = CachedArray(tuple(value.shape), self.manager, np.dtype(value.dtype))
+        self.copy_into(y, value)
         return y
 
-    def copy_into(self, y: CachedArray, host: np.ndarray) -> None:
-        """Overwrite ``y`` with ``host`` (a write use: the policy marks it dirty)."""
+    def copy_into(self, y: CachedArray, value) -> None:
+        """Overwrite ``y`` with ``value`` (a write use: the policy marks it dirty)."""
         with writable(y) as dst:
             if self._where(y):
                 self.stats.written_fast += y.nbytes
             else:
                 self.stats.written_slow += y.nbytes
-            np.copyto(dst, host.reshape(dst.shape), casting="no")
+            if isinstance(dst, np.ndarray):
+                np.copyto(dst, np.asarray(value).reshape(dst.shape), casting="no")
+            else:
+                self._device_copy(dst, value)
+
+    def _device_copy(self, dst, value) -> None:
+        """``dst[...] = value`` on the GPU; ``value`` stays referenced until the copy has read it
+        (its owner, JAX, would reuse the bytes at once, without waiting for our stream)."""
+        import cupy as cp
+        src = cp.from_dlpack(value)  # the current stream waits for the kernel that makes it
+        dst[...] = src.reshape(dst.shape)
+        event = cp.cuda.Event(disable_timing=True)
+        event.record()
+        keep = self._keep
+        keep.append((event, value, src))
+        while keep and keep[0][0].done:
+            keep.popleft()
 
     def call(self, kernel: Callable, inputs: Sequence[CachedArray], *args: Any, **static: Any) -> tuple[CachedArray, ...]:
         """`run` then `store` every output: the outputs as CachedArrays, always a tuple."""
@@ -118,3 +167,10 @@ class Executor:
         """`run`, then write the outputs into existing ``targets`` (in-place updates: SGD, accumulation)."""
         for t, h in zip(targets, self.run(kernel, inputs, *args, **static)):
             self.copy_into(t, h)
+
+    def sync(self) -> None:
+        """Wait until every kernel and output copy dispatched so far is done (the end of a step)."""
+        if self.gpu:
+            import cupy as cp
+            cp.cuda.Device(self.manager.fast.index).synchronize()
+            self._keep.clear()

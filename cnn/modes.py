@@ -20,6 +20,9 @@ cap      CorrelationPrefetchPolicy()                                   learned p
                                                                       fetched on use
 =======  ===========================================================  =============================
 
+On the GPU (``device="gpu"``) the fast level is a `GPU` heap of the budget (``dram`` then means
+all in HBM) over host DRAM, with a PM file below only when host memory cannot hold the rest.
+
 The program is annotated the same way in every mode; a policy without M or P
 ignores those hints, as in the dissertation.  ``cap`` needs only the iteration
 boundary, which the trainer marks (`Policy.mark_iteration`) at every step.
@@ -27,7 +30,11 @@ boundary, which the trainer marks (`Policy.mark_iteration`) at every step.
 
 from __future__ import annotations
 
-from cachedarrays import (DRAM, PM, CorrelationPrefetchPolicy, LRUPolicy, Manager, Policy, TwoLevelCachePolicy,
+import os
+import shutil
+import tempfile
+
+from cachedarrays import (DRAM, GPU, PM, CorrelationPrefetchPolicy, LRUPolicy, Manager, Policy, TwoLevelCachePolicy,
                           format_size, parse_size)
 
 MODES = ("dram", "2lm", "ca0", "caL", "caLM", "caLMP", "cap")
@@ -35,8 +42,12 @@ CA_MODES = ("ca0", "caL", "caLM", "caLMP", "cap")
 MIN_PM = 16 << 20
 
 
-def make_policy(mode: str) -> Policy:
-    """The policy of ``mode`` (see the module table)."""
+DEVICES = ("cpu", "gpu")
+
+
+def make_policy(mode: str, stamps=None) -> Policy:
+    """The policy of ``mode`` (see the module table); ``stamps``: the clock of ``cap``'s recorded gaps
+    (on a GPU a `DeviceClock`, so they are device time)."""
     if mode == "dram":
         return LRUPolicy(local_alloc=True, honor_frees=True, prefetch=True)
     if mode == "2lm":
@@ -50,13 +61,72 @@ def make_policy(mode: str) -> Policy:
     if mode == "caLMP":
         return LRUPolicy(local_alloc=True, honor_frees=True, prefetch=True)
     if mode == "cap":
-        return CorrelationPrefetchPolicy()
+        return CorrelationPrefetchPolicy(stamps=stamps)
     raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
 
 
-def make_manager(mode: str, fast_bytes: int, slow_bytes: int, pm_dir: str | None = None) -> Manager:
-    """A manager with a DRAM device of ``fast_bytes`` and a PM file of ``slow_bytes`` under ``mode``'s policy."""
-    return Manager(DRAM(max(int(fast_bytes), 4096)), PM(pm_dir, max(int(slow_bytes), MIN_PM)), policy=make_policy(mode))
+class ModelTooLargeError(ValueError):
+    """The model does not fit in all the memory levels together."""
+
+
+def host_memory_available() -> int:
+    """Bytes of host memory the OS says are available now (MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _pm_free(pm_dir: str | None) -> int:
+    return shutil.disk_usage(pm_dir or tempfile.gettempdir()).free
+
+
+def make_manager(mode: str, fast_bytes: int, slow_bytes: int, pm_dir: str | None = None, device: str = "cpu",
+                 stamps=None) -> Manager:
+    """A manager under ``mode``'s policy whose fast level has ``fast_bytes`` and whose slower levels hold
+    ``slow_bytes``: on the CPU DRAM over a PM file; on the GPU a GPU heap over host DRAM, with a PM file
+    below when host memory cannot hold ``slow_bytes`` (`ModelTooLargeError` when all of them cannot).
+    ``--device gpu`` without a GPU raises `DeviceUnavailableError` (from `GPU`)."""
+    if device not in DEVICES:
+        raise ValueError(f"unknown device {device!r}; choose from {', '.join(DEVICES)}")
+    fast_bytes, slow_bytes = max(int(fast_bytes), 4096), max(int(slow_bytes), MIN_PM)
+    policy = make_policy(mode, stamps)
+    if device == "cpu":
+        _check_capacity(slow_bytes, 0, _pm_free(pm_dir), "DRAM", fast_bytes)
+        return Manager(DRAM(fast_bytes), PM(pm_dir, slow_bytes), policy=policy)
+    fast = GPU(fast_bytes)
+    try:
+        host = int(0.8 * host_memory_available())
+        if slow_bytes <= host:
+            return Manager(fast, DRAM(slow_bytes), policy=policy)
+        pm_free = _pm_free(pm_dir)
+        _check_capacity(slow_bytes, host, pm_free, "GPU", fast_bytes)
+        return Manager(fast, DRAM(host), PM(pm_dir, slow_bytes - host + MIN_PM), policy=policy)
+    except BaseException:
+        fast.close()
+        raise
+
+
+def fast_limit(device: str) -> int | None:
+    """The largest fast level ``device`` can have now: 90% of the free GPU memory, None on the CPU."""
+    if device != "gpu":
+        return None
+    from cachedarrays.devices.gpu import cupy
+    free, _ = cupy().cuda.runtime.memGetInfo()
+    return int(0.9 * free) // 4096 * 4096
+
+
+def _check_capacity(slow: int, host: int, pm_free: int, fast_name: str, fast_bytes: int) -> None:
+    if slow > host + pm_free:
+        raise ModelTooLargeError(
+            f"the model needs {format_size(slow)} below the {format_size(fast_bytes)} {fast_name} budget, but host "
+            f"memory ({format_size(host)} usable) and the PM file system ({format_size(pm_free)} free) hold only "
+            f"{format_size(host + pm_free)} together: use a smaller batch, image or model, or --pm-dir on a larger "
+            f"file system")
 
 
 class BudgetTooSmallError(ValueError):

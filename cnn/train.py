@@ -12,6 +12,10 @@ PM->DRAM, the peak fast-device use against its capacity (the budget), and the
 modeled movement time; mode ``cap`` adds its coverage (uses that found their
 object in fast memory) and prefetch accuracy, per iteration and over the run.
 
+``--device gpu`` runs the layers as jitted JAX on the GPU: the budget is GPU memory (HBM) and the
+level below it host DRAM, so the traffic columns read GPU->DRAM and DRAM->GPU; mode ``dram`` keeps
+everything in HBM.
+
 With one mode, ``--save FILE`` writes a checkpoint (weights, momentum, iteration) at the end and
 every ``--checkpoint-every`` iterations / ``--checkpoint-minutes`` minutes, atomically (a crash
 mid-write keeps the previous one); ``--load FILE`` continues from one up to ``--iterations``.
@@ -25,10 +29,10 @@ import os
 import sys
 from typing import Sequence
 
-from cachedarrays import format_size
+from cachedarrays import DeviceUnavailableError, OutOfMemoryError, format_size
 from cachedarrays.checkpoint import CheckpointError, Interval
 
-from .modes import MODES, BudgetTooSmallError
+from .modes import DEVICES, MODES, BudgetTooSmallError, ModelTooLargeError
 from .trainer import Config, IterationRecord, RunResult, measure_footprint, run_mode
 
 
@@ -47,8 +51,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mode", default="caLM",
                    help=f"one or more of {', '.join(MODES)} separated by commas, or 'all' (default caLM)")
     p.add_argument("--fast-budget", default="25%",
-                   help="fast memory (DRAM) budget: a fraction of the measured footprint ('25%%') or a size "
-                        "('64MiB', bytes); ignored by mode dram (default 25%%)")
+                   help="fast memory budget (DRAM; GPU memory with --device gpu): a fraction of the measured "
+                        "footprint ('25%%') or a size ('64MiB', bytes); ignored by mode dram (default 25%%)")
+    p.add_argument("--device", choices=DEVICES, default="cpu",
+                   help="cpu: DRAM over PM; gpu: GPU memory over host DRAM, layers run on the GPU (default cpu)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 0.01, digits 0.05)")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (0 for plain SGD)")
     p.add_argument("--granularity", choices=("layer", "block"), default="layer",
@@ -94,8 +100,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def describe(rec: IterationRecord) -> str:
     """One line per iteration, as the script prints it (with coverage and prefetch accuracy where the
     policy counts them, as ``cap`` does)."""
+    f, s = rec.fast_device, rec.slow_device
     line = (f"  iter {rec.iteration:3d}  loss {rec.loss:8.5f}  time {rec.seconds:7.3f} s  "
-            f"DRAM->PM {format_size(rec.dram_to_pm_bytes):>10}  PM->DRAM {format_size(rec.pm_to_dram_bytes):>10}  "
+            f"{f}->{s} {format_size(rec.dram_to_pm_bytes):>10}  {s}->{f} {format_size(rec.pm_to_dram_bytes):>10}  "
             f"peak fast {format_size(rec.peak_fast_bytes):>10} / {format_size(rec.fast_capacity):<10}  "
             f"modeled movement {1e3 * rec.modeled_movement_seconds:8.2f} ms")
     if rec.coverage is not None:
@@ -122,14 +129,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .data import load_digits
         digits = load_digits(seed=args.seed)
         cfg = Config(args.model, args.depth, args.width, args.batch, 8, digits.classes, 1,
-                     args.lr if args.lr is not None else 0.05, args.momentum, args.seed, args.granularity)
+                     args.lr if args.lr is not None else 0.05, args.momentum, args.seed, args.granularity,
+                     args.device)
         data = lambda i: digits.batch(i, args.batch, args.seed)  # noqa: E731
     else:
         cfg = Config(args.model, args.depth, args.width, args.batch, args.image, args.classes, 3,
-                     args.lr if args.lr is not None else 0.01, args.momentum, args.seed, args.granularity)
+                     args.lr if args.lr is not None else 0.01, args.momentum, args.seed, args.granularity,
+                     args.device)
         data = None
-    print(f"model {cfg.label}; measuring the footprint with one unconstrained iteration ...", flush=True)
-    fp = measure_footprint(cfg, data, args.pm_dir)
+    print(f"model {cfg.label} on the {args.device.upper()}; measuring the footprint with one unconstrained "
+          f"iteration ...", flush=True)
+    try:
+        fp = measure_footprint(cfg, data, args.pm_dir)
+    except DeviceUnavailableError as e:
+        print(f"error: --device gpu needs a usable CUDA GPU: {e}", file=sys.stderr)
+        return 2
+    except ModelTooLargeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"footprint {format_size(fp.footprint)} (weights and optimiser state {format_size(fp.persistent)}, "
           f"{format_size(fp.allocated)} allocated per iteration); smallest budget that works "
           f"{format_size(fp.min_budget)} ({fp.min_budget_kernel})", flush=True)
@@ -156,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      save=args.save, load=args.load,
                                      interval=Interval(args.checkpoint_every, args.checkpoint_minutes),
                                      on_save=lambda path, i: write(f"  checkpoint written to {path} (iteration {i})"))
-        except (BudgetTooSmallError, CheckpointError) as e:
+        except (BudgetTooSmallError, CheckpointError, ModelTooLargeError, OutOfMemoryError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         if mode in accuracy:

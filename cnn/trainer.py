@@ -11,6 +11,7 @@ with ``load`` it resumes from one.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from dataclasses import asdict, dataclass, field
@@ -28,7 +29,7 @@ from .execute import Executor
 from .graph import Tape, plan_last_uses
 from .layers import SoftmaxCrossEntropy
 from .models import Model, build
-from .modes import MIN_PM, BudgetTooSmallError, check_budget, make_manager, parse_budget
+from .modes import MIN_PM, BudgetTooSmallError, check_budget, fast_limit, make_manager, parse_budget
 from .optim import SGD
 
 
@@ -47,6 +48,7 @@ class Config:
     momentum: float = 0.9
     seed: int = 0
     granularity: str = "layer"
+    device: str = "cpu"            # "gpu": the fast level is GPU memory (HBM) over host DRAM
 
     @property
     def label(self) -> str:
@@ -56,10 +58,10 @@ class Config:
 class Trainer:
     """A model, its optimiser and the annotated executor on one manager."""
 
-    def __init__(self, cfg: Config, manager: Manager):
+    def __init__(self, cfg: Config, manager: Manager, timeline=None):
         self.cfg = cfg
         self.m = manager
-        self.ex = Executor(manager)
+        self.ex = Executor(manager, timeline=timeline)
         self.ann = Annotations(manager, granularity=cfg.granularity)
         self.model: Model = build(cfg.family, manager, depth=cfg.depth, width=cfg.width, image=cfg.image,
                                   classes=cfg.classes, in_channels=cfg.channels, seed=cfg.seed)
@@ -86,6 +88,7 @@ class Trainer:
         # End of iteration: drop the tape (the dissertation ran the GC here) and free what died.
         del tape, pgrads, loss, x, y
         self.m.collect()
+        self.ex.sync()  # a step's time includes the GPU work it dispatched
         return value
 
     def predict(self, x_np: np.ndarray, chunk: int | None = None) -> np.ndarray:
@@ -126,11 +129,15 @@ def _estimate(cfg: Config) -> int:
 
 
 def measure_footprint(cfg: Config, data: Callable[[int], tuple] | None = None, pm_dir: str | None = None) -> Footprint:
-    """Run one ``dram`` iteration with a fast device that holds everything (doubled until it does)."""
+    """Run one ``dram`` iteration with a fast device that holds everything (doubled until it does).
+
+    On the GPU the fast device grows up to the free GPU memory; a model whose iteration needs more
+    is measured on the CPU instead (the same objects are allocated there, only slower)."""
     data = data or (lambda i: synthetic_batch(i, cfg.batch, cfg.image, cfg.channels, cfg.classes, cfg.seed))
-    fast = _estimate(cfg)
+    limit = fast_limit(cfg.device)
+    fast = _estimate(cfg) if limit is None else min(_estimate(cfg), limit)
     while True:
-        with make_manager("dram", fast, MIN_PM, pm_dir) as m:
+        with make_manager("dram", fast, MIN_PM, pm_dir, cfg.device) as m:
             tr = Trainer(cfg, m)
             persistent = m.fast.used_bytes
             m.reset_telemetry()
@@ -145,7 +152,9 @@ def measure_footprint(cfg: Config, data: Callable[[int], tuple] | None = None, p
                                  _round_up(tr.ex.stats.max_working_set), tr.ex.stats.max_working_set_kernel,
                                  seconds)
             del tr
-        fast *= 2
+        if limit is not None and fast >= limit:
+            return measure_footprint(dataclasses.replace(cfg, device="cpu"), data, pm_dir)
+        fast = fast * 2 if limit is None else min(fast * 2, limit)
 
 
 def _round_up(n: int, page: int = 4096) -> int:
@@ -166,6 +175,8 @@ class IterationRecord:
     modeled_seconds: float        # compute (measured time minus measured movement) + modeled movement
     kernel_slow_read_bytes: int   # kernel operands read straight from the slow device
     kernel_slow_write_bytes: int  # kernel outputs written straight to the slow device
+    fast_device: str = "DRAM"      # the budgeted level (GPU on the GPU) and the one below it, whose
+    slow_device: str = "PM"        # copies the *_bytes fields count (DRAM on the GPU)
     exposed_movement_seconds: float = 0.0  # of the measured movement, what a use waited for
     coverage: float | None = None  # uses that found their object in fast memory (policies that count uses)
     prefetch_accuracy: float | None = None  # learned prefetches used before eviction, of those resolved
@@ -176,14 +187,14 @@ def iteration_record(i: int, loss: float, seconds: float, m: Manager, ex: Execut
     """Summarise the manager's telemetry and the executor's counters for one iteration."""
     tele = m.telemetry()
     moved = tele["bytes_moved"]
-    f, s = m.fast.name, m.slow.name
+    f, s = m.fast.name, m.levels[1].name
     compute = max(0.0, seconds - tele["measured_movement_seconds"])
     accuracy, coverage = accuracy_and_coverage(tele["counters"])
     return IterationRecord(
         i, loss, seconds, moved.get(f"{f}->{s}", 0), moved.get(f"{s}->{f}", 0),
         tele["occupancy"][f]["high_water"], tele["occupancy"][f]["capacity"],
         tele["measured_movement_seconds"], tele["modeled_movement_seconds"],
-        compute + tele["modeled_movement_seconds"], ex.stats.read_slow, ex.stats.written_slow,
+        compute + tele["modeled_movement_seconds"], ex.stats.read_slow, ex.stats.written_slow, f, s,
         tele["exposed_movement_seconds"], coverage, accuracy, dict(tele["counters"]))
 
 
@@ -221,8 +232,12 @@ class Session:
             self.fast = parse_budget(budget, fp.footprint)
             check_budget(self.fast, fp.min_budget, fp.footprint, cfg.label)
         slow = int(1.3 * (fp.footprint + fp.allocated)) + MIN_PM
-        self.m = make_manager(mode, self.fast, slow, pm_dir)
-        self.trainer = Trainer(cfg, self.m)
+        timeline = None
+        if cfg.device == "gpu":
+            from cachedarrays.devices.gpu import DeviceClock
+            timeline = DeviceClock()
+        self.m = make_manager(mode, self.fast, slow, pm_dir, cfg.device, stamps=timeline)
+        self.trainer = Trainer(cfg, self.m, timeline)
         self.records: list[IterationRecord] = []
 
     def step(self, i: int) -> IterationRecord:
@@ -255,7 +270,7 @@ class Session:
 
         Raises `CheckpointError` for a file that is not a checkpoint of this model."""
         with open_npz(path) as ck:
-            if ck.meta.get("config") != asdict(self.cfg):
+            if _portable(ck.meta.get("config")) != _portable(asdict(self.cfg)):
                 raise CheckpointError(f"checkpoint {path} is for another model or training setup: "
                                       f"{ck.meta.get('config')}, this run {asdict(self.cfg)}")
             for i, p in enumerate(self.trainer.model.params):
@@ -277,6 +292,11 @@ class Session:
         self.m.close()
         gc.collect()
         return RunResult(self.mode, self.fast, self.fp, self.records, tele, report() if report else None)
+
+
+def _portable(config: dict | None) -> dict | None:
+    """A config without what a checkpoint may change between runs (the device)."""
+    return None if config is None else {k: v for k, v in config.items() if k != "device"}
 
 
 def run_mode(cfg: Config, mode: str, budget: "str | int | float", iterations: int, fp: Footprint,

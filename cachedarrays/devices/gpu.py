@@ -186,6 +186,42 @@ class JaxUse(CudaUse):
         super().__init__(JaxUse._stream)
 
 
+class DeviceClock:
+    """Device time of a GPU program's progress, from the CUDA events its work reaches.
+
+    The program `note`s an event after each piece of work it dispatches (an executor notes its
+    kernels' use records); `stamp` returns the latest one, so a stamp taken at the host-side use of
+    an object marks where the GPU will be when that use's work starts.  `seconds` turns stamps into
+    seconds after the first, once the GPU got there (it waits for the last).  Host time of
+    asynchronous dispatch says only how fast Python ran ahead of the GPU.
+    """
+
+    def __init__(self):
+        self._latest = None
+
+    def note(self, event) -> None:
+        self._latest = event
+
+    def stamp(self):
+        if self._latest is None:
+            self._latest = cupy().cuda.Event()
+            self._latest.record()
+        return self._latest
+
+    def seconds(self, stamps: list) -> list[float]:
+        if not stamps:
+            return []
+        stamps[-1].synchronize()
+        first, memo = stamps[0], {}
+        out = []
+        for s in stamps:
+            if id(s) not in memo:
+                s.synchronize()
+                memo[id(s)] = max(0.0, elapsed(first, s))
+            out.append(memo[id(s)])
+        return out
+
+
 def wait_on_stream(waitables, stream, mark=None) -> None:
     """Make ``stream`` wait for copies and uses (on the GPU where they run on a stream, else on
     the host).  ``mark`` is an event at the point where the consumer's own work reaches the wait

@@ -132,6 +132,19 @@ def accuracy_and_coverage(counters: dict) -> tuple[float | None, float | None]:
             counters.get("uses_in_fast", 0) / uses if uses else None)
 
 
+class HostStamps:
+    """Stamps of host time: ``clock()`` readings."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
+
+    def stamp(self) -> float:
+        return self.clock()
+
+    def seconds(self, stamps: list) -> list[float]:
+        return [t - stamps[0] for t in stamps] if stamps else []
+
+
 class CorrelationPrefetchPolicy(LRUPolicy):
     """Learned prefetch and Belady eviction for programs that repeat a sequence of uses; see the module
     docstring.
@@ -142,11 +155,15 @@ class CorrelationPrefetchPolicy(LRUPolicy):
     `prefetch` hints too.  ``honor_frees``: as `LRUPolicy`'s M.  ``insert_on_use``: fetch a missed
     object to the fast level at its use.  ``max_uses``: an iteration with more uses is not learned
     (memory bound).  ``clock``: seconds, for the recorded times and the copy backlog (tests script it).
+    ``stamps``: where the recorded times come from instead, an object with ``stamp()`` (a token for
+    now) and ``seconds(tokens)`` (seconds after the first token): on a GPU a
+    `devices.gpu.DeviceClock`, so the gaps are device time, not the host time of asynchronous
+    dispatch.
     """
 
     def __init__(self, slack: float = 2.0, max_ahead: int | None = None, hints: bool = False,
                  honor_frees: bool = True, insert_on_use: bool = True, max_uses: int = 1 << 20,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, stamps=None):
         if not (isinstance(slack, (int, float)) and slack > 0):
             raise ValueError(f"slack must be a positive number (math.inf for no time bound), got {slack!r}")
         if max_ahead is not None and (not isinstance(max_ahead, int) or max_ahead < 1):
@@ -158,6 +175,7 @@ class CorrelationPrefetchPolicy(LRUPolicy):
         self.max_ahead = max_ahead
         self.max_uses = max_uses
         self.clock = clock
+        self.stamps = HostStamps(clock) if stamps is None else stamps
         self._reset()
 
     def __repr__(self) -> str:
@@ -167,9 +185,9 @@ class CorrelationPrefetchPolicy(LRUPolicy):
         self.iterations = 0                               # marks seen
         self.learned: Recording | None = None
         self.stats: collections.Counter[str] = collections.Counter()
-        self._start = 0.0                                 # clock at the last mark
+        self._start = None                                # stamp at the last mark
         self._keys: list[Key] = []                        # this iteration's uses so far
-        self._times: list[float] = []
+        self._times: list = []                            # their stamps
         self._max_nbytes = 0
         self._overflow = False
         self._frees: dict[Key, int] = {}                  # key -> uses before it was freed, this iteration
@@ -191,9 +209,10 @@ class CorrelationPrefetchPolicy(LRUPolicy):
         """A new iteration begins: the uses since the previous mark become the learned order, and
         the look-ahead starts prefetching the new iteration's first uses."""
         with self.m.lock():
-            now = self.clock()
+            now = self.stamps.stamp()
             if self.iterations and self._keys and not self._overflow:
-                self.learned = rec = Recording(self._keys, self._times, now - self._start, self._max_nbytes,
+                seconds = self.stamps.seconds([self._start, *self._times, now])
+                self.learned = rec = Recording(self._keys, seconds[1:-1], seconds[-1], self._max_nbytes,
                                                self._frees)
                 self._longest = max(self._copy_seconds(rec.max_nbytes, dev) for dev in self.levels[1:])
             elif self._overflow:
@@ -327,7 +346,7 @@ class CorrelationPrefetchPolicy(LRUPolicy):
                 self._overflow = True
             else:
                 self._keys.append(key)
-                self._times.append(self.clock() - self._start)
+                self._times.append(self.stamps.stamp())
                 self._max_nbytes = max(self._max_nbytes, obj.nbytes)
         j = self._seen[key]
         self._seen[key] = j + 1
