@@ -17,9 +17,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator
 
+import jax.numpy as jnp
 import numpy as np
 
-from cachedarrays import CachedArray, Manager, OutOfMemoryError, format_size
+from cachedarrays import CachedArray, Manager, OutOfMemoryError, format_size, readable
 from cachedarrays.checkpoint import CheckpointError, Interval, open_npz, save_npz
 from cachedarrays.policies.correlation import accuracy_and_coverage
 
@@ -81,9 +82,11 @@ class Trainer:
         y = CachedArray(y_np.astype(np.int32), self.m)
         tape = Tape(self.ex, self.ann, self.plan)
         loss = tape(self.loss_layer, self.model.forward(tape, x), y)
-        value = float(loss)
+        with readable(loss) as v:  # a copy read at the end: on a GPU reading it now would wait for the forward pass
+            value = jnp.array(v, copy=True)
         pgrads = tape.backward(loss)
         self.opt.step(self.ex, self.ann, pgrads)
+        value = float(value)
         self.ann.release_dead((x, y, loss), ())
         # End of iteration: drop the tape (the dissertation ran the GC here) and free what died.
         del tape, pgrads, loss, x, y
@@ -223,7 +226,7 @@ class Session:
     """
 
     def __init__(self, cfg: Config, mode: str, budget: "str | int | float | None", fp: Footprint,
-                 data: Callable[[int], tuple] | None = None, pm_dir: str | None = None):
+                 data: Callable[[int], tuple] | None = None, pm_dir: str | None = None, slow_bytes: int | None = None):
         self.cfg, self.mode, self.fp = cfg, mode, fp
         self.data = data or (lambda i: synthetic_batch(i, cfg.batch, cfg.image, cfg.channels, cfg.classes, cfg.seed))
         if mode == "dram":
@@ -231,7 +234,8 @@ class Session:
         else:
             self.fast = parse_budget(budget, fp.footprint)
             check_budget(self.fast, fp.min_budget, fp.footprint, cfg.label)
-        slow = int(1.3 * (fp.footprint + fp.allocated)) + MIN_PM
+        # below the budget: room for everything allocated in an iteration (modes that ignore frees)
+        slow = int(1.3 * (fp.footprint + fp.allocated)) + MIN_PM if slow_bytes is None else slow_bytes
         timeline = None
         if cfg.device == "gpu":
             from cachedarrays.devices.gpu import DeviceClock

@@ -295,3 +295,48 @@ def test_depth_counts_weighted_layers_like_the_model_names(manager):
         big.close()
     with pytest.raises(ValueError, match="ResNet depth"):
         build("resnet", manager, depth=12)
+
+
+# ---------------------------------------------------------------- the GPU path's logic on the CPU
+def test_block_remat_gives_the_layer_by_layer_losses():
+    """`cnn.functional` (the benchmark's baselines) trains the same model: same losses to rounding."""
+    from cnn.data import synthetic_batch
+    from cnn.functional import initial_state, train_step
+    cfg, fp = TINY["resnet"], footprint("resnet")
+    ours = [r.loss for r in run_mode(cfg, "dram", None, 2, fp).records]
+    with Manager(DRAM("8MiB"), PM(None, "16MiB"), policy=LRUPolicy()) as m:
+        model = build("resnet", m, depth=cfg.depth, width=cfg.width, image=cfg.image, classes=cfg.classes)
+        for variant in ("remat",):  # block replay under jax.checkpoint; "whole" is its code without scopes
+            params, momenta = initial_state(model)
+            step, losses = train_step(model, cfg.lr, cfg.momentum, variant), []
+            for i in range(2):
+                params, momenta, loss = step(params, momenta, *synthetic_batch(i, cfg.batch, cfg.image, 3, 10))
+                losses.append(float(loss))
+            np.testing.assert_allclose(losses, ours, rtol=1e-5, err_msg=variant)
+
+
+def test_release_together_unpins_every_view_and_makes_no_gpu_record_on_the_host(manager):
+    from cachedarrays import readable, release_together
+    xs = [CachedArray(np.ones(8, np.float32), manager) for _ in range(3)]
+    views = [readable(x) for x in xs] + [readable(xs[0])]
+    assert all(manager.pinned(x.object) for x in xs)
+    assert release_together(views) == [] and release_together(views) == []  # twice: harmless
+    assert not any(manager.pinned(x.object) for x in xs)
+
+
+def test_make_manager_checks_device_and_capacity(monkeypatch, tmp_path):
+    from cnn import modes
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        modes.make_manager("caLM", 1 << 20, 1 << 24, device="tpu")
+    monkeypatch.setattr(modes, "_pm_free", lambda pm_dir: 1 << 20)
+    with pytest.raises(modes.ModelTooLargeError, match="hold only"):
+        modes.make_manager("caLM", 1 << 20, 1 << 30, str(tmp_path))
+
+
+@pytest.mark.skipif(__import__("cachedarrays.devices.gpu", fromlist=["available"]).available(),
+                    reason="checks the error given where no GPU is present")
+def test_cli_device_gpu_without_a_gpu_is_a_clear_error(capsys):
+    from cnn.train import main
+    rc = main(["--device", "gpu", "--model", "vgg", "--depth", "5", "--width", "4", "--batch", "4", "--image", "8",
+               "--iterations", "1", "--no-progress"])
+    assert rc == 2 and "--device gpu needs a usable CUDA GPU" in capsys.readouterr().err

@@ -303,3 +303,26 @@ def test_bad_arguments_are_refused():
             CorrelationPrefetchPolicy(**kw)
     with pytest.raises(RuntimeError, match="not attached"):
         CorrelationPrefetchPolicy().mark_iteration()
+
+
+def test_recorded_gaps_come_from_the_stamps_clock_not_the_host_clock():
+    """On a GPU the stamps are CUDA events; here a scripted stamps object stands for them: the
+    learned times must be its seconds, whatever the host clock said."""
+    class Stamps:
+        def __init__(self):
+            self.n = 0
+
+        def stamp(self):
+            self.n += 1
+            return self.n
+
+        def seconds(self, stamps):
+            return [0.5 * (s - stamps[0]) for s in stamps]   # half a second of device time per stamp
+
+    clock = Clock()
+    pol = CorrelationPrefetchPolicy(clock=clock, stamps=Stamps())
+    with Manager(DRAM("1MiB"), PM(None, "16MiB"), policy=pol) as m:
+        xs = [CachedArray(np.full(N, i, np.float32), m) for i in range(3)]
+        iteration(m, pol, xs, clock, gap=1e-3)
+        iteration(m, pol, xs, clock, gap=1e-3)
+        assert pol.learned.times == [0.5, 1.0, 1.5] and pol.learned.period == 2.0

@@ -1,0 +1,183 @@
+"""The same models as one jitted JAX function: the baseline a JAX user writes when the model fits.
+
+`train_step(model, lr, momentum, variant)` returns a jitted ``step(params, momenta, x, y) ->
+(params, momenta, loss)``: the forward pass, ``jax.value_and_grad`` and the SGD-with-momentum update
+of `cnn.optim` under one ``jit``, reading the layers' weights from ``params`` (a list in
+``model.params`` order) and calling the same kernels' maths as the layer-by-layer trainer.
+
+Variants, JAX's own answers to a model that does not fit:
+
+- ``"whole"``: plain; XLA keeps every saved activation in HBM.
+- ``"remat"``: every residual / dense block (a tape scope) is a ``jax.checkpoint``: only block
+  inputs are kept, everything inside a block is recomputed in the backward pass.
+- ``"offload"``: the forward pass is one ``jax.checkpoint`` whose policy
+  (``save_and_offload_only_these_names``) moves every layer output to ``pinned_host`` memory and
+  brings it back for the backward pass (JAX's host offload of saved activations).
+
+The models' wiring is plain Python over a tape, so a `FunctionalTape` runs it on JAX values;
+for ``"remat"`` it records the calls made inside a scope and replays them as one checkpointed
+function when the scope closes (only the scope's last output is used after it, as in every model
+here).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from functools import partial
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from . import kernels as K
+from .layers import (Add, AvgPool, BatchNorm, Concat, Conv2D, Dense, GlobalAvgPool, Layer, MaxPool, ReLU,
+                     SoftmaxCrossEntropy)
+from .models import Model
+
+VARIANTS = ("whole", "remat", "offload")
+
+
+def apply(layer: Layer, params: tuple, xs: list):
+    """``layer``'s forward output on JAX values ``xs`` with weights ``params`` (the kernels' maths)."""
+    if isinstance(layer, Conv2D):
+        return K._conv(xs[0], params[0], layer.stride, layer.pad)
+    if isinstance(layer, Dense):
+        return K.dense_fwd(xs[0], *params)
+    if isinstance(layer, BatchNorm):
+        return K.bn_fwd(xs[0], *params)[0]
+    if isinstance(layer, ReLU):
+        return K.relu_fwd(xs[0])
+    if isinstance(layer, MaxPool):
+        return K._maxpool(xs[0], layer.k, layer.s)
+    if isinstance(layer, AvgPool):
+        return K._avgpool(xs[0], layer.k, layer.s)
+    if isinstance(layer, GlobalAvgPool):
+        return K.gap_fwd(xs[0])
+    if isinstance(layer, Concat):
+        return K.concat_fwd(*xs)
+    if isinstance(layer, Add):
+        return K.add_fwd(*xs)
+    if isinstance(layer, SoftmaxCrossEntropy):
+        return K.xent_fwd(*xs)
+    raise TypeError(f"no functional form for {layer!r}")
+
+
+class _Pending:
+    """A value made inside a scope that `FunctionalTape` has not computed yet (``remat``)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self):
+        self.value = None
+
+
+class FunctionalTape:
+    """Runs a model's wiring on JAX values (see the module docstring)."""
+
+    def __init__(self, weights: dict[int, tuple], remat: bool = False, name: str | None = None):
+        self.weights = weights      # id(layer) -> that layer's weights
+        self.remat = remat
+        self.name = name            # checkpoint_name given to every layer output (offload)
+        self._calls: list | None = None
+
+    def __call__(self, layer: Layer, *xs):
+        if self._calls is not None:
+            out = _Pending()
+            self._calls.append((layer, xs, out))
+            return out
+        y = apply(layer, self.weights[id(layer)], [self._value(x) for x in xs])
+        return y if self.name is None else checkpoint_name(y, self.name)
+
+    @staticmethod
+    def _value(x):
+        if isinstance(x, _Pending):
+            if x.value is None:
+                raise ValueError("a value made inside a rematerialised block is used after it, but only the "
+                                 "block's last output is kept")
+            return x.value
+        return x
+
+    @contextmanager
+    def scope(self) -> Iterator[None]:
+        if not self.remat or self._calls is not None:
+            yield
+            return
+        self._calls = []
+        try:
+            yield
+        finally:
+            calls, self._calls = self._calls, None
+        if not calls:
+            return
+        made = {id(out) for _, _, out in calls}
+        outside, seen = [], set()
+        for _, xs, _ in calls:
+            for x in xs:
+                if id(x) not in made and id(x) not in seen:
+                    seen.add(id(x))
+                    outside.append(x)
+        layers = list({id(layer): layer for layer, _, _ in calls}.values())
+
+        def block(ext, weights):
+            env = {id(x): v for x, v in zip(outside, ext)}
+            by_layer = {id(layer): w for layer, w in zip(layers, weights)}
+            for layer, xs, out in calls:
+                env[id(out)] = apply(layer, by_layer[id(layer)], [env[id(x)] for x in xs])
+            return env[id(calls[-1][2])]
+
+        calls[-1][2].value = jax.checkpoint(block)([self._value(x) for x in outside],
+                                                   [self.weights[id(layer)] for layer in layers])
+
+
+def _weights(model: Model, params: list) -> dict[int, tuple]:
+    out, k = {}, 0
+    for layer in model.layers:
+        n = len(layer.params)
+        out[id(layer)] = tuple(params[k:k + n])
+        k += n
+    out[id(_LOSS)] = ()
+    return out
+
+
+_LOSS = SoftmaxCrossEntropy()
+
+
+def loss_fn(model: Model, variant: str = "whole") -> Callable:
+    """``loss(params, x, y)`` of ``model`` as a JAX function, under ``variant``'s memory answer."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+
+    def loss(params, x, y):
+        tape = FunctionalTape(_weights(model, params), remat=variant == "remat",
+                              name="act" if variant == "offload" else None)
+        return tape(_LOSS, tape._value(model.forward(tape, x)), y)
+
+    if variant == "offload":
+        policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=["act"],
+            offload_src="device", offload_dst="pinned_host")
+        return jax.checkpoint(loss, policy=policy)
+    return loss
+
+
+def train_step(model: Model, lr: float, momentum: float, variant: str = "whole") -> Callable:
+    """A jitted ``step(params, momenta, x, y) -> (params, momenta, loss)`` (params and momenta donated)."""
+    loss = loss_fn(model, variant)
+    lr, mu = np.float32(lr), np.float32(momentum)
+
+    @partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, momenta, x, y):
+        value, grads = jax.value_and_grad(loss)(params, x, y)
+        momenta = [mu * v + g for v, g in zip(momenta, grads)]
+        params = [p - lr * v for p, v in zip(params, momenta)]
+        return params, momenta, value
+
+    return step
+
+
+def initial_state(model: Model, device=None) -> tuple[list, list]:
+    """The model's weights (copied out of its CachedArrays) and zero momenta, as JAX arrays."""
+    params = [jax.device_put(np.asarray(p), device) for p in model.params]
+    return params, [jnp.zeros_like(p) for p in params]

@@ -1,0 +1,122 @@
+"""CNN training on the GPU under an HBM budget (needs a GPU): every mode's losses equal all-in-HBM's
+bit for bit, outputs stay on the GPU, the whole-jit baseline trains the same model, cap learns
+device time."""
+
+import numpy as np
+import pytest
+
+from cachedarrays import CachedArray, readable
+from cachedarrays.devices import gpu
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu.available(), reason="needs a CUDA GPU and CuPy")]
+
+TINY = {"vgg": dict(family="vgg", depth=5, width=4, batch=4, image=8),
+        "resnet": dict(family="resnet", depth=11, width=4, batch=4, image=8),
+        "densenet": dict(family="densenet", depth=9, width=4, batch=4, image=8)}
+_FP = {}
+
+
+def cfg_fp(family, device="gpu"):
+    from cnn.trainer import Config, measure_footprint
+    cfg = Config(**TINY[family], device=device)
+    if (family, device) not in _FP:
+        _FP[family, device] = measure_footprint(cfg)
+    return cfg, _FP[family, device]
+
+
+@pytest.mark.parametrize("family", ["vgg", "resnet", "densenet"])
+def test_every_mode_matches_all_in_hbm_loss_bit_for_bit_at_the_smallest_budget(family):
+    from cnn.modes import MODES
+    from cnn.trainer import run_mode
+    cfg, fp = cfg_fp(family)
+    base = run_mode(cfg, "dram", None, 2, fp)
+    losses = [r.loss for r in base.records]
+    assert np.isfinite(losses).all() and base.records[0].fast_device == "GPU"
+    assert all(r.dram_to_pm_bytes == 0 and r.pm_to_dram_bytes == 0 for r in base.records)
+    for mode in MODES[1:]:
+        run = run_mode(cfg, mode, fp.min_budget, 2, fp)  # run_mode runs m.check() at the end
+        assert [r.loss for r in run.records] == losses, mode
+        for r in run.records:
+            assert (r.fast_device, r.slow_device) == ("GPU", "DRAM")
+            assert r.peak_fast_bytes <= r.fast_capacity <= fp.min_budget
+            assert r.dram_to_pm_bytes > 0, f"{mode} at the smallest budget must evict something"
+
+
+def test_gpu_losses_match_the_cpu_trainer():
+    from cnn.trainer import run_mode
+    cfg, fp = cfg_fp("resnet")
+    cpu_cfg, cpu_fp = cfg_fp("resnet", "cpu")
+    on_gpu = [r.loss for r in run_mode(cfg, "caLMP", "40%", 3, fp).records]
+    on_cpu = [r.loss for r in run_mode(cpu_cfg, "caLMP", "40%", 3, cpu_fp).records]
+    np.testing.assert_allclose(on_gpu, on_cpu, rtol=2e-4)
+
+
+def test_kernels_read_gpu_regions_zero_copy_and_outputs_stay_on_the_gpu():
+    import jax
+    from cnn.execute import Executor
+    from cnn.modes import make_manager
+    with make_manager("caLM", 64 << 20, 64 << 20, device="gpu") as m:
+        ex = Executor(m)
+        x = CachedArray(np.arange(4096, dtype=np.float32), m)
+        seen = []
+
+        def kernel(a):
+            seen.append((a.unsafe_buffer_pointer(), a.devices()))
+            return a * 2, a + 1
+
+        y, z = ex.call(jax.jit(kernel), (x,))
+        region = m.primary(x.object)
+        assert seen[0][0] == region.device.address(region.offset)  # JAX read the region itself
+        assert y.device == "GPU" and z.device == "GPU"
+        assert m.telemetry()["bytes_moved"] == {}  # nothing went through the host
+        np.testing.assert_array_equal(np.asarray(y), np.arange(4096, dtype=np.float32) * 2)
+        np.testing.assert_array_equal(np.asarray(z), np.arange(4096, dtype=np.float32) + 1)
+        for _ in range(50):  # outputs whose JAX values die at once are still copied intact
+            (w,) = ex.call(jax.jit(lambda a: a * 3), (y,))
+        ex.sync()
+        np.testing.assert_array_equal(np.asarray(w), np.arange(4096, dtype=np.float32) * 6)
+        m.check()
+
+
+def test_whole_jit_baseline_trains_the_same_model():
+    import jax
+    from cachedarrays import DRAM, PM, LRUPolicy, Manager
+    from cnn.data import synthetic_batch
+    from cnn.functional import initial_state, train_step
+    from cnn.models import build
+    from cnn.trainer import run_mode
+    cfg, fp = cfg_fp("densenet")
+    ours = [r.loss for r in run_mode(cfg, "dram", None, 2, fp).records]
+    with Manager(DRAM("16MiB"), PM(None, "16MiB"), policy=LRUPolicy()) as m:
+        model = build("densenet", m, depth=cfg.depth, width=cfg.width, image=cfg.image, classes=cfg.classes)
+        for variant in ("whole", "remat"):
+            params, momenta = initial_state(model, jax.devices()[0])
+            step, losses = train_step(model, cfg.lr, cfg.momentum, variant), []
+            for i in range(2):
+                params, momenta, loss = step(params, momenta, *synthetic_batch(i, cfg.batch, cfg.image, 3, 10))
+                losses.append(float(loss))
+            np.testing.assert_allclose(losses, ours, rtol=2e-4, err_msg=variant)
+
+
+def test_cap_learns_device_time_and_prefetches_on_the_gpu():
+    from cnn.trainer import Session
+    cfg, fp = cfg_fp("resnet")
+    s = Session(cfg, "cap", "40%", fp)
+    try:
+        recs = [s.step(i) for i in range(3)]
+        pol = s.m.policy
+        times = pol.learned.times
+        assert isinstance(pol.stamps, gpu.DeviceClock)
+        assert len(times) > 50 and times == sorted(times) and times[-1] > 0
+        assert pol.learned.period <= recs[-2].seconds  # device time of a step fits in its wall time
+        assert recs[-1].counters["learned_prefetches"] > 0 and recs[-1].coverage > 0.5
+    finally:
+        s.close()
+
+
+def test_cli_on_the_gpu_prints_gpu_traffic(capsys):
+    from cnn.train import main
+    rc = main(["--device", "gpu", "--model", "vgg", "--depth", "5", "--width", "4", "--batch", "4", "--image", "8",
+               "--iterations", "2", "--mode", "dram,caLMP,cap", "--fast-budget", "50%", "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.count("iter ") == 6 and "GPU->DRAM" in out and "on the GPU" in out
