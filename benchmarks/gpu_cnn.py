@@ -69,17 +69,23 @@ def measure_link(nbytes: int = 256 * MiB, repeats: int = 5) -> float:
     return nbytes / statistics.median(times[1:])
 
 
-def choose(spec: dict, ratio: int, budget: int, batch: int, pm_dir, device: str):
-    """A config whose measured footprint is near ``ratio * budget``: measured at ``batch``, rescaled once."""
+LIVE_FRACTION = 0.6  # footprint - weights and momenta, over all layer outputs: 0.57-0.66 measured on the CPU
+
+
+def choose(spec: dict, ratio: int, budget: int, pm_dir, device: str):
+    """A config whose footprint should be ``ratio * budget``: the batch from the layer outputs' bytes
+    (shapes only) and the live fraction measured on small models; the footprint is then measured."""
+    from cachedarrays import DRAM, PM, LRUPolicy, Manager
+    from cnn.functional import output_bytes
+    from cnn.models import build
     from cnn.trainer import Config, measure_footprint
+    with Manager(DRAM(256 * MiB), PM(None, 64 * MiB), policy=LRUPolicy()) as m:
+        model = build(spec["family"], m, depth=spec["depth"], width=spec["width"], image=spec["image"], classes=10)
+        per_sample = LIVE_FRACTION * output_bytes(model, 1)
+        persistent = 2 * model.param_bytes
+    batch = max(2, int((ratio * budget - persistent) / per_sample))
     cfg = Config(**spec, batch=batch, device=device)
-    fp = measure_footprint(cfg, pm_dir=pm_dir)
-    per_sample = max(1.0, (fp.footprint - fp.persistent) / batch)
-    want = max(2, int(round((ratio * budget - fp.persistent) / per_sample)))
-    if abs(want - batch) > 0.1 * batch:
-        cfg = dataclasses.replace(cfg, batch=want)
-        fp = measure_footprint(cfg, pm_dir=pm_dir)
-    return cfg, fp
+    return cfg, measure_footprint(cfg, pm_dir=pm_dir)
 
 
 def run_ours(cfg, fp, mode: str, budget: int, steps: int, warmup: int, pm_dir) -> dict:
@@ -183,7 +189,7 @@ def main(argv=None) -> int:
                         "runs": []}, {}
     for name in names:
         for ratio in ratios:
-            cfg, fp = choose(specs[name], ratio, budget, 16 if args.quick else 64, args.pm_dir, args.device)
+            cfg, fp = choose(specs[name], ratio, budget, args.pm_dir, args.device)
             label = f"{name} {cfg.label}: footprint {fp.footprint / GiB:.2f} GiB = {fp.footprint / budget:.1f}x budget"
             print(f"\n{label}: running ...", flush=True)
             rows = {"whole-jit": run_jax(cfg, "whole", args.steps, args.warmup),

@@ -300,8 +300,7 @@ class CachedArray(NDArrayOperatorsMixin):
             with warnings.catch_warnings():  # CuPy 14 prefers Stream.from_external for protocol objects
                 warnings.simplefilter("ignore", DeprecationWarning)
                 consumer = cp.cuda.ExternalStream(stream)
-        device = next((d for d in jax.devices() if d.platform == "gpu"
-                       and getattr(d, "local_hardware_id", d.id) == region.device.index), None)
+        device = _jax_device(region.device.index)
         mark = None
         if device is not None:
             self._gpu_consumers.add(device)
@@ -317,6 +316,18 @@ class CachedArray(NDArrayOperatorsMixin):
         if region.device.memory_space != "host":
             return (2, region.device.index)  # kDLCUDA
         return self._view(writeable=False).__dlpack_device__()
+
+
+_JAX_DEVICES: dict = {}
+
+
+def _jax_device(index: int):
+    """JAX's device for CUDA device ``index`` (None if JAX has none), looked up once."""
+    if index not in _JAX_DEVICES:
+        import jax
+        _JAX_DEVICES[index] = next((d for d in jax.devices() if d.platform == "gpu"
+                                    and getattr(d, "local_hardware_id", d.id) == index), None)
+    return _JAX_DEVICES[index]
 
 
 def assign_into(target, value, key=Ellipsis) -> None:
@@ -413,13 +424,18 @@ def writable(x: CachedArray) -> CachedArray:
         return _wrap(x, Status.ReadWrite)
 
 
-def release_together(views) -> list:
+def release_together(views, use=None) -> list:
     """Release several views at once; returns the GPU use records made (CUDA events).
 
     A device runs a consumer's work in order, so one record per consumer (one CuPy event, one tiny
     JAX computation per JAX device) covers every view used before it: a kernel that read three
-    views pays for one record, not three.  Host views are released as by `CachedArray.release`."""
+    views pays for one record, not three.  ``use``: a record the caller already has that marks
+    the end of every consumer's work on these views (e.g. an event recorded after a stream waited
+    for the kernel's outputs), taken for all of them instead.  Host views are released as by
+    `CachedArray.release`."""
     uses: dict = {}
+    if use is not None:
+        uses = _AllConsumers(use)
     for v in views:
         if v.status is Status.NotBusy or v._released:
             continue
@@ -427,6 +443,23 @@ def release_together(views) -> list:
             v._record_gpu_uses(uses)
         v.release()
     return list(uses.values())
+
+
+class _AllConsumers(dict):
+    """A use map that gives one record for every consumer (`release_together` with ``use``)."""
+
+    def __init__(self, use):
+        super().__init__()
+        self.use = use
+
+    def __contains__(self, consumer) -> bool:
+        return True
+
+    def __getitem__(self, consumer):
+        return self.use
+
+    def values(self):
+        return [self.use]
 
 
 def release(x: CachedArray) -> CachedArray:

@@ -3,15 +3,16 @@
 `Executor.call` takes ``readable`` views of the input CachedArrays (telling the
 policy of the use and pinning them), imports them into JAX with
 ``jax.dlpack.from_dlpack`` (zero-copy: regions are 64-byte aligned and
-C-contiguous), runs the kernel, releases the views, and only then copies each
+C-contiguous), dispatches the kernel, releases the views, and only then copies each
 output into a new CachedArray allocated through the policy.  Releasing the
 inputs before the outputs are allocated means a kernel needs room in fast
 memory for its inputs, or for one output, never for both at once.
 
 On the host the kernel runs to completion before the views are released.  On a
 GPU nothing waits: the kernel is dispatched on JAX's stream (which waits on the
-GPU for copies into its inputs), one use record (`release_together`) keeps the
-inputs' regions from being moved or reused before the kernel has read them, and
+GPU for copies into its inputs), one use record (`release_together`: an event
+after CuPy's stream waited for the kernel's outputs) keeps the inputs' regions
+from being moved or reused before the kernel has read them, and
 each output is copied device to device into the region the policy chose
 (`cachedarrays.assign`'s path, without its host wait: the JAX value is kept
 alive until its copy is done instead).  An output the policy placed in host
@@ -72,6 +73,7 @@ class Executor:
         self.gpu = self.manager.fast.memory_space != "host"
         self._device = None
         self._keep: collections.deque = collections.deque()  # (event, values) until the GPU copied them
+        self._imported: dict = {}  # id(JAX output) -> its CuPy import, from the kernel's use record
 
     def _where(self, x: CachedArray) -> bool:
         return x.policy.in_fast(x.object)
@@ -117,15 +119,26 @@ class Executor:
             if not self.gpu:
                 out = jax.block_until_ready(out)
             del jx
+            outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+            done = self._kernel_done(outs) if self.gpu else None
         finally:
-            uses = release_together(views)
+            uses = release_together(views, done)
         if self.timeline is not None and uses:
             self.timeline.note(uses[-1].cuda_event)
-        outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         self._working_set(max(nbytes, max((o.nbytes for o in outs), default=0)), getattr(kernel, "__name__", "kernel"))
         self.stats.calls += 1
         self.stats.seconds += time.perf_counter() - t0
         return outs
+
+    def _kernel_done(self, outs: tuple):
+        """A use record at the end of a dispatched kernel: CuPy's stream waits for its outputs (the
+        DLPack handshake, on the GPU), then an event.  It stands for the kernel's reads of all its
+        inputs, and costs one import per output, which `store` reuses, where a JAX marker
+        computation per kernel cost about a millisecond of host time on an H100 host."""
+        from cachedarrays.devices.gpu import CudaUse
+        import cupy as cp
+        self._imported = {id(o): cp.from_dlpack(o) for o in outs}
+        return CudaUse()
 
     def store(self, value) -> CachedArray:
         """Copy a kernel output into a new CachedArray placed by the policy."""
@@ -149,7 +162,9 @@ class Executor:
         """``dst[...] = value`` on the GPU; ``value`` stays referenced until the copy has read it
         (its owner, JAX, would reuse the bytes at once, without waiting for our stream)."""
         import cupy as cp
-        src = cp.from_dlpack(value)  # the current stream waits for the kernel that makes it
+        src = self._imported.pop(id(value), None)
+        if src is None:
+            src = cp.from_dlpack(value)  # the current stream waits for the kernel that makes it
         dst[...] = src.reshape(dst.shape)
         event = cp.cuda.Event(disable_timing=True)
         event.record()

@@ -181,3 +181,20 @@ def initial_state(model: Model, device=None) -> tuple[list, list]:
     """The model's weights (copied out of its CachedArrays) and zero momenta, as JAX arrays."""
     params = [jax.device_put(np.asarray(p), device) for p in model.params]
     return params, [jnp.zeros_like(p) for p in params]
+
+
+def output_bytes(model: Model, batch: int) -> int:
+    """Bytes of every layer output of one forward pass at ``batch`` (shapes only: nothing is computed)."""
+    sizes: list[int] = []
+
+    class _Counting(FunctionalTape):
+        def __call__(self, layer, *xs):
+            y = super().__call__(layer, *xs)
+            sizes.append(y.size * y.dtype.itemsize)
+            return y
+
+    params = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in model.params]
+    h, w, c = model.input_shape
+    jax.eval_shape(lambda p, x: model.forward(_Counting(_weights(model, p)), x), params,
+                   jax.ShapeDtypeStruct((batch, h, w, c), jnp.float32))
+    return sum(sizes)
