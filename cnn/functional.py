@@ -32,8 +32,8 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from . import kernels as K
-from .layers import (Add, AvgPool, BatchNorm, Concat, Conv2D, Dense, GlobalAvgPool, Layer, MaxPool, ReLU,
-                     SoftmaxCrossEntropy)
+from .layers import (Add, AvgPool, BatchNorm, BNReLUConv, Concat, Conv2D, Dense, GlobalAvgPool, Layer, MaxPool,
+                     ReLU, SoftmaxCrossEntropy)
 from .models import Model
 
 VARIANTS = ("whole", "remat", "offload")
@@ -43,6 +43,8 @@ def apply(layer: Layer, params: tuple, xs: list):
     """``layer``'s forward output on JAX values ``xs`` with weights ``params`` (the kernels' maths)."""
     if isinstance(layer, Conv2D):
         return K._conv(xs[0], params[0], layer.stride, layer.pad)
+    if isinstance(layer, BNReLUConv):
+        return K.bn_relu_conv_fwd(xs[0], *params, stride=layer.conv.stride, pad=layer.conv.pad)[0]
     if isinstance(layer, Dense):
         return K.dense_fwd(xs[0], *params)
     if isinstance(layer, BatchNorm):
@@ -87,8 +89,13 @@ class FunctionalTape:
             out = _Pending()
             self._calls.append((layer, xs, out))
             return out
-        y = apply(layer, self.weights[id(layer)], [self._value(x) for x in xs])
+        y = apply(layer, self._params(layer), [self._value(x) for x in xs])
         return y if self.name is None else checkpoint_name(y, self.name)
+
+    def _params(self, layer: Layer) -> tuple:
+        if isinstance(layer, BNReLUConv):  # wraps layers of the model, whose weights it uses
+            return self.weights[id(layer.bn)] + self.weights[id(layer.conv)]
+        return self.weights[id(layer)]
 
     @staticmethod
     def _value(x):
@@ -128,7 +135,7 @@ class FunctionalTape:
             return env[id(calls[-1][2])]
 
         calls[-1][2].value = jax.checkpoint(block)([self._value(x) for x in outside],
-                                                   [self.weights[id(layer)] for layer in layers])
+                                                   [self._params(layer) for layer in layers])
 
 
 def _weights(model: Model, params: list) -> dict[int, tuple]:

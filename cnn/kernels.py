@@ -86,6 +86,29 @@ def bn_bwd(dy, x, gamma, mean, rstd):
     return dx, dgamma, dbeta
 
 
+# ---------------------------------------------------------------- batch norm, ReLU and convolution, recomputed
+def _bn_apply(x, gamma, beta, mean, rstd):
+    return (x - mean) * (rstd * gamma) + beta  # bn_fwd's output, operation for operation
+
+
+@partial(jax.jit, static_argnames=("stride", "pad"))
+def bn_relu_conv_fwd(x, gamma, beta, w, *, stride: int, pad: int):
+    """(conv(relu(bn(x))), mean, rstd): the normalised activations never leave the kernel."""
+    y, mean, rstd = bn_fwd(x, gamma, beta)
+    return _conv(jnp.maximum(y, 0), w, stride, pad), mean, rstd
+
+
+@partial(jax.jit, static_argnames=("stride", "pad"))
+def bn_relu_conv_bwd(dz, x, gamma, beta, w, mean, rstd, *, stride: int, pad: int):
+    """(dx, dgamma, dbeta, dw), recomputing relu(bn(x)) from the saved input and statistics (the same
+    values the forward pass made) instead of reading them back."""
+    h = jnp.maximum(_bn_apply(x, gamma, beta, mean, rstd), 0)
+    _, pull = jax.vjp(lambda a, b: _conv(a, b, stride, pad), h, w)
+    dh, dw = pull(dz)
+    dx, dgamma, dbeta = bn_bwd(jnp.where(h > 0, dh, 0), x, gamma, mean, rstd)
+    return dx, dgamma, dbeta, dw
+
+
 # ---------------------------------------------------------------- element-wise
 @jax.jit
 def relu_fwd(x):

@@ -104,6 +104,42 @@ class BatchNorm(Layer):
         return (dx,), (dgamma, dbeta)
 
 
+class BNReLUConv(Layer):
+    """A batch norm, a ReLU and the convolution after them as one layer that keeps only the batch
+    norm's input and statistics for backward: the normalised activations (the ReLU output every
+    convolution would save) are recomputed there instead of being kept or moved (MemFerry's trade
+    of cheap compute for memory and traffic).  Wraps the existing layers and their parameters."""
+
+    def __init__(self, bn: "BatchNorm", conv: "Conv2D"):
+        self.bn, self.conv = bn, conv
+        self.params = bn.params + conv.params
+        self.name = f"{bn.name}+relu+{conv.name}"
+
+    def forward(self, ex, x):
+        z, mean, rstd = ex.call(K.bn_relu_conv_fwd, (x, *self.params), stride=self.conv.stride, pad=self.conv.pad)
+        return z, (x, mean, rstd)
+
+    def backward(self, ex, dz, saved, need):
+        x, mean, rstd = saved
+        dx, dgamma, dbeta, dw = ex.call(K.bn_relu_conv_bwd, (dz, x, *self.params, mean, rstd),
+                                        stride=self.conv.stride, pad=self.conv.pad)
+        return (dx,), (dgamma, dbeta, dw)
+
+
+def fuse_recomputed(seq: Sequence[Layer]) -> list[Layer]:
+    """``seq`` with every batch norm, ReLU, convolution run replaced by one `BNReLUConv`."""
+    out, i = [], 0
+    while i < len(seq):
+        if (i + 2 < len(seq) and isinstance(seq[i], BatchNorm) and isinstance(seq[i + 1], ReLU)
+                and isinstance(seq[i + 2], Conv2D)):
+            out.append(BNReLUConv(seq[i], seq[i + 2]))
+            i += 3
+        else:
+            out.append(seq[i])
+            i += 1
+    return out
+
+
 class ReLU(Layer):
     """max(x, 0); saves its output, whose sign is the backward mask (the next layer saves it anyway)."""
 

@@ -9,6 +9,10 @@ Depth counts weighted layers, as the model names do: VGG ``depth`` = convolution
 much deeper); ResNet ``depth`` = 3 per bottleneck block + 2 (ResNet 50: blocks
 [3, 4, 6, 3]); DenseNet ``depth`` = 2 per dense layer + 5 (DenseNet 121: blocks
 [6, 12, 24, 16]).  Other depths split the blocks in those proportions.  Activations are NHWC float32.
+
+``recompute=True`` wires every batch norm, ReLU, convolution run as one `layers.BNReLUConv`, which
+recomputes the normalised activations in backward instead of keeping them (same weights, same
+initialisation; the layer list, and so the parameters, are unchanged).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import numpy as np
 from cachedarrays import CachedArray, Manager
 
 from .graph import Tape
-from .layers import (Add, AvgPool, BatchNorm, Concat, Conv2D, Dense, GlobalAvgPool, Layer, MaxPool, ReLU)
+from .layers import (Add, AvgPool, BatchNorm, Concat, Conv2D, Dense, GlobalAvgPool, Layer, MaxPool, ReLU,
+                     fuse_recomputed)
 
 RESNET_BLOCKS = {50: [3, 4, 6, 3], 101: [3, 4, 23, 3], 152: [3, 8, 36, 3], 200: [3, 24, 36, 3]}
 DENSENET_BLOCKS = {121: [6, 12, 24, 16], 169: [6, 12, 32, 32], 201: [6, 12, 48, 32], 264: [6, 12, 64, 48]}
@@ -81,6 +86,11 @@ def _proportional(n: int, weights: list[int]) -> list[int]:
     return counts
 
 
+def _fused(seq: list[Layer], recompute: bool) -> list[Layer]:
+    """``seq`` as wired: batch norm, ReLU, convolution runs as one recomputing layer with ``recompute``."""
+    return fuse_recomputed(seq) if recompute else seq
+
+
 def _stages_for(image: int, wanted: int) -> int:
     return max(1, min(wanted, int(math.log2(max(image, 1))) if image > 1 else 1))
 
@@ -107,7 +117,7 @@ class _Builder:
 
 
 def vgg(m: Manager, depth: int = 16, width: int = 16, image: int = 32, classes: int = 10, in_channels: int = 3,
-        seed: int = 0) -> Model:
+        seed: int = 0, recompute: bool = False) -> Model:
     """Plain stacks of conv-BN-ReLU, max pooling between stages, global average pooling, 3 dense layers."""
     if depth < 4:
         raise ValueError("VGG depth must be at least 4 (one convolution and three dense layers)")
@@ -122,11 +132,11 @@ def vgg(m: Manager, depth: int = 16, width: int = 16, image: int = 32, classes: 
         cout = width * min(2 ** s, 8)
         stage = []
         for j in range(n):
-            stage.append((b.conv(cin, cout, name=f"conv{s}.{j}"), b.bn(cout, name=f"bn{s}.{j}"), b.new(ReLU())))
+            stage += [b.conv(cin, cout, name=f"conv{s}.{j}"), b.bn(cout, name=f"bn{s}.{j}"), b.new(ReLU())]
             cin = cout
         pool = b.new(MaxPool(2)) if spatial >= 2 and s < len(counts) - 1 else None
         spatial = spatial // 2 if pool else spatial
-        plan.append((stage, pool))
+        plan.append((_fused(stage, recompute), pool))
     gap = b.new(GlobalAvgPool())
     hidden = 4 * width
     fc = [b.dense(cin, hidden, "fc0"), b.new(ReLU()), b.dense(hidden, hidden, "fc1"), b.new(ReLU()),
@@ -134,8 +144,8 @@ def vgg(m: Manager, depth: int = 16, width: int = 16, image: int = 32, classes: 
 
     def wiring(tape: Tape, x: CachedArray) -> CachedArray:
         for stage, pool in plan:
-            for conv, bn, relu in stage:
-                x = tape(relu, tape(bn, tape(conv, x)))
+            for layer in stage:
+                x = tape(layer, x)
             if pool is not None:
                 x = tape(pool, x)
         x = tape(gap, x)
@@ -148,7 +158,7 @@ def vgg(m: Manager, depth: int = 16, width: int = 16, image: int = 32, classes: 
 
 
 def resnet(m: Manager, depth: int = 50, width: int = 16, image: int = 32, classes: int = 10, in_channels: int = 3,
-           seed: int = 0) -> Model:
+           seed: int = 0, recompute: bool = False) -> Model:
     """Bottleneck residual blocks (1x1, 3x3, 1x1, expansion 4) with projection shortcuts where shapes change."""
     if depth in RESNET_BLOCKS:
         blocks = RESNET_BLOCKS[depth]
@@ -173,7 +183,7 @@ def resnet(m: Manager, depth: int = 50, width: int = 16, image: int = 32, classe
             short = None
             if stride != 1 or cin != 4 * mid:
                 short = [b.conv(cin, 4 * mid, 1, stride, name=f"b{s}.{j}.proj"), b.bn(4 * mid)]
-            plan.append((main, short, b.new(Add()), b.new(ReLU())))
+            plan.append((_fused(main, recompute), short, b.new(Add()), b.new(ReLU())))
             cin = 4 * mid
     head = (b.new(GlobalAvgPool()), b.dense(cin, classes, "fc"))
 
@@ -200,7 +210,7 @@ def resnet(m: Manager, depth: int = 50, width: int = 16, image: int = 32, classe
 
 
 def densenet(m: Manager, depth: int = 121, width: int = 8, image: int = 32, classes: int = 10,
-             in_channels: int = 3, seed: int = 0) -> Model:
+             in_channels: int = 3, seed: int = 0, recompute: bool = False) -> Model:
     """Dense blocks of BN-ReLU-1x1-BN-ReLU-3x3 layers on the concatenation of all earlier feature maps,
     with BN-ReLU-1x1-avgpool transitions (compression 0.5); ``width`` is the growth rate."""
     if depth in DENSENET_BLOCKS:
@@ -218,15 +228,16 @@ def densenet(m: Manager, depth: int = 121, width: int = 8, image: int = 32, clas
     for s, n in enumerate(blocks):
         layers = []
         for j in range(n):
-            layers.append([b.bn(c), b.new(ReLU()), b.conv(c, 4 * k, 1, name=f"d{s}.{j}.c1"),
-                           b.bn(4 * k), b.new(ReLU()), b.conv(4 * k, k, 3, name=f"d{s}.{j}.c2")])
+            layers.append(_fused([b.bn(c), b.new(ReLU()), b.conv(c, 4 * k, 1, name=f"d{s}.{j}.c1"),
+                                  b.bn(4 * k), b.new(ReLU()), b.conv(4 * k, k, 3, name=f"d{s}.{j}.c2")], recompute))
             c += k
         concat = b.new(Concat())  # stateless: one instance serves every concatenation of the block
         transition = None
         if s < len(blocks) - 1:
             cout = max(1, c // 2)
             pool = AvgPool(2) if spatial >= 2 else None
-            transition = [b.bn(c), b.new(ReLU()), b.conv(c, cout, 1, name=f"t{s}")] + ([b.new(pool)] if pool else [])
+            transition = _fused([b.bn(c), b.new(ReLU()), b.conv(c, cout, 1, name=f"t{s}")] + ([b.new(pool)] if pool else []),
+                                recompute)
             spatial = spatial // 2 if pool else spatial
             c = cout
         plan.append((layers, concat, transition))

@@ -14,7 +14,9 @@ object in fast memory) and prefetch accuracy, per iteration and over the run.
 
 ``--device gpu`` runs the layers as jitted JAX on the GPU: the budget is GPU memory (HBM) and the
 level below it host DRAM, so the traffic columns read GPU->DRAM and DRAM->GPU; mode ``dram`` keeps
-everything in HBM.
+everything in HBM.  ``--recompute`` runs every batch norm, ReLU, convolution sequence as one layer
+that recomputes the normalised activations in backward instead of keeping them for it (MemFerry's
+trade: less memory and traffic for a little compute); its footprint and traffic are its own run's.
 
 With one mode, ``--save FILE`` writes a checkpoint (weights, momentum, iteration) at the end and
 every ``--checkpoint-every`` iterations / ``--checkpoint-minutes`` minutes, atomically (a crash
@@ -55,6 +57,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "footprint ('25%%') or a size ('64MiB', bytes); ignored by mode dram (default 25%%)")
     p.add_argument("--device", choices=DEVICES, default="cpu",
                    help="cpu: DRAM over PM; gpu: GPU memory over host DRAM, layers run on the GPU (default cpu)")
+    p.add_argument("--recompute", action="store_true",
+                   help="recompute batch-norm+ReLU outputs in backward instead of keeping them")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 0.01, digits 0.05)")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (0 for plain SGD)")
     p.add_argument("--granularity", choices=("layer", "block"), default="layer",
@@ -130,12 +134,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         digits = load_digits(seed=args.seed)
         cfg = Config(args.model, args.depth, args.width, args.batch, 8, digits.classes, 1,
                      args.lr if args.lr is not None else 0.05, args.momentum, args.seed, args.granularity,
-                     args.device)
+                     args.device, args.recompute)
         data = lambda i: digits.batch(i, args.batch, args.seed)  # noqa: E731
     else:
         cfg = Config(args.model, args.depth, args.width, args.batch, args.image, args.classes, 3,
                      args.lr if args.lr is not None else 0.01, args.momentum, args.seed, args.granularity,
-                     args.device)
+                     args.device, args.recompute)
         data = None
     print(f"model {cfg.label} on the {args.device.upper()}; measuring the footprint with one unconstrained "
           f"iteration ...", flush=True)

@@ -50,10 +50,12 @@ class Config:
     seed: int = 0
     granularity: str = "layer"
     device: str = "cpu"            # "gpu": the fast level is GPU memory (HBM) over host DRAM
+    recompute: bool = False        # batch norm + ReLU outputs recomputed in backward, not kept (BNReLUConv)
 
     @property
     def label(self) -> str:
-        return f"{self.family}{self.depth} (width {self.width}, batch {self.batch}, image {self.image})"
+        extra = ", recompute" if self.recompute else ""
+        return f"{self.family}{self.depth} (width {self.width}, batch {self.batch}, image {self.image}{extra})"
 
 
 class Trainer:
@@ -65,7 +67,8 @@ class Trainer:
         self.ex = Executor(manager, timeline=timeline)
         self.ann = Annotations(manager, granularity=cfg.granularity)
         self.model: Model = build(cfg.family, manager, depth=cfg.depth, width=cfg.width, image=cfg.image,
-                                  classes=cfg.classes, in_channels=cfg.channels, seed=cfg.seed)
+                                  classes=cfg.classes, in_channels=cfg.channels, seed=cfg.seed,
+                                  recompute=cfg.recompute)
         self.opt = SGD(self.model.params, cfg.lr, cfg.momentum)
         self.loss_layer = SoftmaxCrossEntropy()
         self.plan = plan_last_uses(self.model.forward, self.loss_layer)

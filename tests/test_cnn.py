@@ -340,3 +340,17 @@ def test_cli_device_gpu_without_a_gpu_is_a_clear_error(capsys):
     rc = main(["--device", "gpu", "--model", "vgg", "--depth", "5", "--width", "4", "--batch", "4", "--image", "8",
                "--iterations", "1", "--no-progress"])
     assert rc == 2 and "--device gpu needs a usable CUDA GPU" in capsys.readouterr().err
+
+
+def test_recompute_keeps_less_and_moves_less_for_the_same_losses():
+    """--recompute (BNReLUConv): DenseNet's BN-ReLU-conv layers keep only the batch norm's input, so the
+    footprint and the bytes written to PM at one budget shrink; the losses stay those of the plain model."""
+    import dataclasses
+    cfg, fp = TINY["densenet"], footprint("densenet")
+    rc = dataclasses.replace(cfg, recompute=True)
+    fr = measure_footprint(rc)
+    assert fr.footprint < 0.8 * fp.footprint and "recompute" in rc.label
+    budget = max(fp.min_budget, fr.min_budget)
+    plain, recomputed = run_mode(cfg, "caLM", budget, 2, fp), run_mode(rc, "caLM", budget, 2, fr)
+    np.testing.assert_allclose([r.loss for r in recomputed.records], [r.loss for r in plain.records], rtol=1e-6)
+    assert recomputed.records[-1].dram_to_pm_bytes < 0.8 * plain.records[-1].dram_to_pm_bytes
