@@ -34,8 +34,6 @@ import statistics
 import sys
 import time
 
-import numpy as np
-
 try:
     from benchmarks import _paths  # noqa: F401
     from benchmarks._common import environment, parser, print_table, print_targets, write_json

@@ -292,7 +292,6 @@ class CachedArray(NDArrayOperatorsMixin):
 
     def _gpu_export(self, region, stream, kwargs):
         """DLPack export of a GPU region: the consumer's ``stream`` waits for the region's copies."""
-        import jax
         from .devices.gpu import JaxUse, cupy
         cp = cupy()
         consumer = None

@@ -5,7 +5,7 @@ device time."""
 import numpy as np
 import pytest
 
-from cachedarrays import CachedArray, readable
+from cachedarrays import CachedArray
 from cachedarrays.devices import gpu
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu.available(), reason="needs a CUDA GPU and CuPy")]
