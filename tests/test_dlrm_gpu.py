@@ -1,0 +1,128 @@
+"""``python -m dlrm.train --device gpu``: the flags' parsing and errors (on any machine), and on a
+GPU the same loss curve as the CPU run, checkpoint and resume, and the report."""
+
+import numpy as np
+import pytest
+
+from cachedarrays.devices import gpu as gpu_device
+from dlrm import gpu, train
+
+TINY = ["--arch-embedding-size", "50-200-30-1000", "--arch-sparse-feature-size", "4",
+        "--arch-mlp-bot", "6-16-4", "--arch-mlp-top", "16-1", "--mini-batch-size", "64",
+        "--print-freq", "50", "--test-num-batches", "4", "--no-progress", "--test-freq", "0",
+        "--num-indices-per-lookup", "3"]
+TABLE_BYTES = (50 + 200 + 30 + 1000) * 4 * 4
+
+requires_gpu = pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
+
+
+# ------------------------------------------------------------------ any machine
+@pytest.mark.parametrize("text", ["auto", "8GiB", "1000", "10%", "0.5%", "250%"])
+def test_fast_budget_accepts_sizes_and_percentages(text):
+    assert train.build_parser().parse_args(["--fast-budget", text]).fast_budget == text
+
+
+@pytest.mark.parametrize("text", ["10x", "0%", "-5%", "%", "lots", "0"])
+def test_fast_budget_rejects_anything_else_naming_the_flag(text, capsys):
+    with pytest.raises(SystemExit):
+        train.build_parser().parse_args([f"--fast-budget={text}"])
+    assert "--fast-budget must be 'auto', a size" in capsys.readouterr().err
+
+
+def test_hbm_need_counts_tables_or_cache_rows_and_pointers():
+    sizes, F, rows = [100, 1000], 8, [10, 100]
+    assert gpu.hbm_need("dram", sizes, F, rows) == 1100 * F * 4
+    assert gpu.hbm_need("static", sizes, F, rows) == 110 * F * 4 + 1100 * gpu.POINTER_BYTES
+    assert gpu.hbm_need("dynamic", sizes, F, rows) == 110 * F * 4 + 1100 * (gpu.POINTER_BYTES + gpu.FREQUENCY_BYTES)
+    assert gpu.hbm_need("simple", sizes, F, rows) == 1100 * gpu.POINTER_BYTES
+
+
+def test_resolve_budget_reads_percentages_of_the_tables_and_refuses_too_little():
+    assert gpu.resolve_budget("10%", 10_000_000, 900_000, "dynamic") == 1_000_000
+    assert gpu.resolve_budget("2MiB", 10_000_000, 900_000, "dynamic") == 2 << 20
+    assert gpu.resolve_budget("auto", 10_000_000, 900_000, "dynamic") == 900_000 + gpu.SLACK
+    with pytest.raises(SystemExit, match=r"--fast-budget 5% \(488.3 KiB\) cannot hold what --policy dynamic"):
+        gpu.resolve_budget("5%", 10_000_000, 900_000, "dynamic")
+    with pytest.raises(SystemExit, match="every table.*choose a cached --policy"):
+        gpu.resolve_budget("1MiB", 10_000_000, 10_000_000, "dram")
+
+
+def test_a_budget_too_small_for_the_tables_is_refused_before_any_device_is_touched():
+    with pytest.raises(SystemExit, match=r"--fast-budget 50% .* cannot hold what --policy dram must keep in HBM"):
+        train.main(TINY + ["--device", "gpu", "--fast-budget", "50%", "--num-batches", "2"])
+
+
+@pytest.mark.skipif(gpu_device.available(), reason="checks the error where no GPU is usable")
+def test_device_gpu_without_a_gpu_says_why():
+    with pytest.raises(SystemExit, match="--device gpu: .*(CuPy|CUDA)"):
+        train.main(TINY + ["--device", "gpu", "--num-batches", "2"])
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--fast-budget", "1GiB"], "--fast-budget caps the HBM of --device gpu"),
+    (["--device", "gpu", "--pm-path", "somewhere"], "--pm-path and --resume-from-pool are CPU-only"),
+])
+def test_contradictory_device_flags_are_refused(extra, message):
+    with pytest.raises(SystemExit, match=message):
+        train.main(TINY + ["--num-batches", "2"] + extra)
+
+
+def test_with_next_pairs_every_batch_with_the_one_after():
+    assert list(train.with_next(iter([(3, "a"), (4, "b"), (5, "c")]))) == [(3, "a", "b"), (4, "b", "c"), (5, "c", None)]
+    assert list(train.with_next(iter([]))) == []
+
+
+# ------------------------------------------------------------------ on a GPU
+CACHED = ("static", "dynamic", "simple")
+
+
+def _policies():
+    out = [("dram", "sgd"), ("dram", "adagrad")]
+    marks = [pytest.mark.skipif(gpu.cache_api() is None, reason="this build has no GPU CachedEmbeddings")]
+    return out + [pytest.param(p, "sgd", marks=marks) for p in CACHED]
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("policy,optimizer", _policies())
+@pytest.mark.usefixtures("young_gc")
+def test_gpu_training_follows_the_cpu_loss_curve_for_200_steps(tmp_path, policy, optimizer):
+    common = TINY + ["--num-batches", "200", "--optimizer", optimizer, "--learning-rate", "0.2"]
+    cpu = train.main(common + ["--pm-path", str(tmp_path), "--fast-capacity", "8MiB", "--slow-capacity", "8MiB"])
+    on_gpu = train.main(common + ["--device", "gpu", "--policy", policy, "--cache-fraction", "0.2"])
+    a = np.array([v for _, v in cpu["losses"]])
+    b = np.array([v for _, v in on_gpu["losses"]])
+    assert a.shape == b.shape == (200,)
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+    assert a[-50:].mean() < a[:50].mean()  # it learned: equal curves that go nowhere would prove little
+    assert abs(on_gpu["evals"][-1]["auc"] - cpu["evals"][-1]["auc"]) < 1e-3
+    s = on_gpu["summary"]
+    assert "GPU" in s["peak_memory"]
+    if policy == "dram":
+        assert {t["device"] for t in s["tables"]} == {"GPU"} and s["peak_memory"]["GPU"] >= TABLE_BYTES
+    else:
+        assert all(t["hitrate"] is not None for t in s["tables"])
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.usefixtures("young_gc")
+def test_gpu_checkpoint_resume_and_a_budget_several_times_smaller_than_the_tables(tmp_path):
+    common = TINY + ["--device", "gpu", "--optimizer", "adagrad"]
+    straight = train.main(common + ["--num-batches", "12"])
+    ck = str(tmp_path / "ck.npz")
+    first = train.main(common + ["--num-batches", "6", "--save", ck])
+    resumed = train.main(common + ["--num-batches", "12", "--load", ck, "--report", str(tmp_path / "r.json"),
+                                   "--plot", str(tmp_path / "p")])
+    assert first["losses"] == straight["losses"][:6]
+    assert resumed["start_step"] == 6
+    np.testing.assert_allclose([v for _, v in resumed["losses"]], [v for _, v in straight["losses"][6:]],
+                               rtol=1e-6, atol=1e-7)
+    assert (tmp_path / "p_loss.png").stat().st_size > 1000 and (tmp_path / "r.json").stat().st_size > 100
+    if gpu.cache_api() is not None:  # tables four times the budget train under a cached policy
+        big = ["--arch-embedding-size", "100000-50000", "--arch-sparse-feature-size", "16", "--arch-mlp-bot", "6-16"]
+        small = train.main(TINY + big + ["--device", "gpu", "--policy", "dynamic", "--fast-budget", "25%",
+                                         "--cache-fraction", "0.05", "--num-batches", "12"])
+        assert small["summary"]["capacity"]["GPU"] == 150000 * 16 * 4 // 4
+        assert small["summary"]["peak_memory"]["GPU"] <= 150000 * 16 * 4 // 4
+
