@@ -126,3 +126,13 @@ def prefetch_next(tables: Sequence[Any], indices: Sequence[Any]) -> None:
     for t, idx in zip(tables, indices):
         if isinstance(t, cls):
             fn(t, idx)
+
+
+def cache_fraction_for(budget: int, policy: str, sizes: Sequence[int], featuresize: int) -> float:
+    """The largest cache fraction whose cache rows and per-row entries (:func:`hbm_need`) fit in
+    ``budget`` bytes beside :data:`SLACK`: how much of the tables a budget can cache."""
+    rows = sum(int(n) for n in sizes)
+    spare = budget - SLACK - hbm_need(policy, sizes, featuresize, [0] * len(sizes))
+    if spare <= 0:
+        return 0.0
+    return min(1.0, spare / (rows * featuresize * 4))
