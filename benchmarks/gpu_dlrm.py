@@ -213,7 +213,7 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
     from cachedarrays import CachedArray, writable
     from dlrm import DLRM, DLRMConfig, make_tables
     from dlrm import gpu as G
-    from dlrm.placement import hitrate, reset_counters
+    from dlrm.placement import cache_rows, hitrate, reset_counters
     from embeddings import SimpleEmbedding
 
     T, n, F, B, k = args.tables, args.rows, 64, args.batch, args.lookups
@@ -261,7 +261,7 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
         print("  ours: this build has no GPU CachedEmbeddings (embeddings.gpu.cached); not measured", flush=True)
     else:
         t1 = time.perf_counter()
-        crow = max(1, int(cf * n))
+        crow = cache_rows(n, cf)
         hot = [scatter(np.arange(crow), n, t) for t in range(T)] if args.policy == "static" else None
         tables = make_tables(sizes, F, args.policy, m, cache_fraction=cf, arrays=arrays, init=False, hot=hot)
         ours = DLRM(cfg, tables, lr=args.lr, device="gpu")
