@@ -140,3 +140,55 @@ def test_cache_fraction_for_a_budget_is_the_inverse_of_hbm_need():
     assert gpu.hbm_need("dynamic", sizes, F, rows) <= budget - gpu.SLACK
     assert gpu.hbm_need("dynamic", sizes, F, [r + 100 for r in rows]) > budget - gpu.SLACK
     assert gpu.cache_fraction_for(gpu.SLACK, "static", sizes, F) == 0.0
+
+
+def test_the_per_table_path_prefetches_the_next_batch_before_the_dense_work(monkeypatch):
+    """The GPU trainer's logic for cached tables, run on the CPU: tables the ensemble does not
+    take get one lookup and one update each (same losses as the ensemble), and every step hands
+    the next batch's flat indices to ``prefetch`` after the lookup and before the dense step."""
+    import dlrm.model as M
+    from dlrm import DLRM, DLRMConfig
+    from dlrm.data import SyntheticData
+    from embeddings import SimpleEmbedding
+
+    sizes, F = [50, 200, 30, 1000], 4  # TINY's shapes: the kernels' compiled variants are shared
+    cfg = DLRMConfig(sizes, F, (6, 16, F), (16, 1))
+    data = SyntheticData(sizes, 6, 64, num_indices=3, seed=1)
+    batches = [data.batch(i) for i in range(4)]
+
+    def tables():
+        rng = np.random.default_rng(0)
+        return [SimpleEmbedding(rng.random((n, F), dtype=np.float32) - 0.5, name=f"t{i}") for i, n in enumerate(sizes)]
+
+    plain = DLRM(cfg, tables(), lr=0.1)
+    expected = [plain.train_step(b).loss for b in batches]
+
+    events = []
+    monkeypatch.setattr(gpu, "cache_api", lambda: (SimpleEmbedding, lambda t, idx: events.append((t.name, idx))))
+    monkeypatch.setattr(M, "table_on_gpu", lambda t: False)  # the tables are "cached": per-table calls
+    monkeypatch.setattr(M, "_sync_cupy", lambda: None)
+    monkeypatch.setattr(M.jax, "device_put", lambda x: x)
+    cached = DLRM(cfg, tables(), lr=0.1, device="gpu")
+    assert cached._per_table and not cached.ensembles
+    grad = cached._grad
+    cached._grad = lambda *a: (events.append("dense"), grad(*a))[1]
+    got = []
+    for j, b in enumerate(batches):
+        events.clear()
+        nxt = batches[j + 1] if j + 1 < len(batches) else None
+        got.append(cached.train_step(b, nxt).loss)
+        if nxt is None:
+            assert events == ["dense"]
+        else:
+            assert [e if e == "dense" else e[0] for e in events] == ["t0", "t1", "t2", "t3", "dense"]
+            for (name, idx), t in zip(events[:4], range(4)):
+                np.testing.assert_array_equal(idx, nxt.bags(t)[0])
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def test_the_model_refuses_an_unknown_device():
+    from dlrm import DLRM, DLRMConfig
+    from embeddings import SimpleEmbedding
+
+    with pytest.raises(ValueError, match="device must be one of"):
+        DLRM(DLRMConfig([3], 4, (2, 4), (1,)), [SimpleEmbedding(np.zeros((3, 4), np.float32))], device="tpu")
