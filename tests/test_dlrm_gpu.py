@@ -183,7 +183,9 @@ def test_the_per_table_path_prefetches_the_next_batch_before_the_dense_work(monk
             assert [e if e == "dense" else e[0] for e in events] == ["t0", "t1", "t2", "t3", "dense"]
             for (name, idx), t in zip(events[:4], range(4)):
                 np.testing.assert_array_equal(idx, nxt.bags(t)[0])
-    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    # Where JAX runs on a GPU, the two models' separately compiled dense steps differ slightly
+    # (TF32 matmuls, per-executable GEMM choices): measured 3.1e-5 relative on the H100.
+    np.testing.assert_allclose(got, expected, rtol=1e-4)
 
 
 def test_the_model_refuses_an_unknown_device():
