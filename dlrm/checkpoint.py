@@ -21,10 +21,9 @@ import numpy as np
 from cachedarrays import CachedArray, Manager, readable, writable
 from cachedarrays.checkpoint import CheckpointError, open_npz, save_npz
 from cachedarrays.pool import Pool, persistent
-from embeddings import CachedEmbeddings
 
 from .model import DLRM
-from .placement import read_table, write_table
+from .placement import is_cached, read_table, write_table
 
 __all__ = ["CheckpointError", "describe", "load", "pool_load", "pool_save", "pool_tables", "read_meta", "save"]
 
@@ -74,7 +73,7 @@ def save(path: str, model: DLRM, step: int, extra: dict | None = None) -> str:
     for i, t in enumerate(model.tables):
         arrays[f"table{i}"] = read_table(t)
         if model.optimizer == "adagrad":
-            arrays[f"adagrad{i}"] = np.array(model.table_opt.state(t))
+            arrays[f"adagrad{i}"] = model.table_state(i)
     return save_npz(path, arrays, describe(model, step, extra))
 
 
@@ -95,7 +94,7 @@ def load(path: str, model: DLRM) -> dict:
         for i, t in enumerate(model.tables):
             write_table(t, _expect(ck[f"table{i}"], (t.nvectors(), t.featuresize()), f"{path}: table{i}"))
             if model.optimizer == "adagrad":
-                model.table_opt.state(t)[...] = _expect(ck[f"adagrad{i}"], (t.nvectors(),), f"{path}: adagrad{i}")
+                model.set_table_state(i, _expect(ck[f"adagrad{i}"], (t.nvectors(),), f"{path}: adagrad{i}"))
     return meta
 
 
@@ -138,9 +137,9 @@ def pool_load(manager: Manager, model: DLRM, meta: dict) -> int:
             return np.array(a)
     _set_dense(model, get)
     if model.optimizer == "adagrad":
-        for i, t in enumerate(model.tables):
+        for i in range(len(model.tables)):
             with readable(pool.get(f"dlrm/adagrad/{i}")) as a:
-                model.table_opt.state(t)[...] = a
+                model.set_table_state(i, a)
     return int(meta["step"])
 
 
@@ -149,11 +148,11 @@ def pool_save(manager: Manager, model: DLRM, step: int, extra: dict | None = Non
     optimizer state are copied beside the tables, then the pool persists what changed."""
     pool = Pool.open(manager)
     for t in model.tables:
-        if isinstance(t, CachedEmbeddings):
+        if is_cached(t):
             t.writeback()
     state = {f"dlrm/dense/{k}": v for k, v in _dense_arrays(model).items()}
     if model.optimizer == "adagrad":
-        state.update({f"dlrm/adagrad/{i}": model.table_opt.state(t) for i, t in enumerate(model.tables)})
+        state.update({f"dlrm/adagrad/{i}": model.table_state(i) for i in range(len(model.tables))})
     for name, value in state.items():
         with writable(persistent(manager, name, shape=value.shape, dtype=np.float32)) as a:
             a[...] = value

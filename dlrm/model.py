@@ -9,6 +9,12 @@ One training step (:meth:`DLRM.train_step`):
 3. *embedding update*: ``Ensemble.pullback`` with the fused sparse optimizer (SGD or row-wise
    Adagrad) turns that gradient into row updates, no dense table gradient ever exists;
 4. *dense update*: jitted SGD of the MLP weights.
+
+With ``device="gpu"`` the tables are GPU tables (in HBM, or cached in HBM over host tables) and
+every phase runs on the GPU: the lookup is a JAX array on the GPU that the jitted dense step
+takes without a copy, and its gradient goes back to the update kernels the same way. When the
+next batch is known (``train_step(batch, next_batch)``), its rows are prefetched into cached
+tables before the dense work, so their misses are copied while it runs.
 """
 
 from __future__ import annotations
@@ -20,13 +26,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from embeddings import SGD, Ensemble, RowwiseAdagrad, aligned_empty
+from embeddings import SGD, Ensemble, RowwiseAdagrad, aligned_empty, lookup, pullback
+from embeddings.gpu import table_on_gpu
 from embeddings.protocol import EmbeddingTable
 
 from .data.batch import Batch
 from .dense import DLRMConfig, init_dense, make_grad_step, make_predict, sgd_update, to_device, to_numpy
 from .metrics import PhaseTimer, accuracy, bce, roc_auc
 from .placement import make_room
+
+DEVICES = ("cpu", "gpu")
 
 
 GROUP_SIZE = 8
@@ -48,12 +57,15 @@ class DLRM:
     ``tables`` are embedding tables (``SimpleEmbedding``, ``CachedEmbeddings``, ...) with
     ``config.table_sizes`` rows and ``config.featuresize`` columns. ``precision`` is the dense
     layers' matmul precision: "f32", or "bf16" (bfloat16 operands, float32 accumulation and
-    float32 weights; see :func:`dlrm.dense.linear`).
+    float32 weights; see :func:`dlrm.dense.linear`). ``device="gpu"``: the tables are GPU tables
+    and the dense part runs on JAX's GPU.
     """
 
     def __init__(self, config: DLRMConfig, tables: Sequence[EmbeddingTable], *, optimizer: str = "sgd",
                  lr: float = 0.01, seed: int = 0, params: dict | None = None, timer: PhaseTimer | None = None,
-                 group_size: int = GROUP_SIZE, precision: str = "f32"):
+                 group_size: int = GROUP_SIZE, precision: str = "f32", device: str = "cpu"):
+        if device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
         if len(tables) != config.ntables:
             raise ValueError(f"config has {config.ntables} tables, got {len(tables)}")
         for t, n in zip(tables, config.table_sizes):
@@ -67,9 +79,13 @@ class DLRM:
         # numba compiles the ensemble kernels once per number of tables (tuples are unrolled), and
         # that compile time grows much faster than linearly: groups of at most `group_size` tables
         # keep a 26-table model at two compiled variants of seconds each instead of one of minutes.
-        g = max(1, int(group_size))
+        self.device = device
+        # On the GPU one ensemble takes every table (there is no per-table-count compile), or,
+        # for tables the ensemble does not run (cached ones), each table gets its own calls.
+        self._per_table = device == "gpu" and not all(table_on_gpu(t) for t in self.tables)
+        g = max(1, int(group_size)) if device == "cpu" else len(self.tables)
         self.groups = [(a, min(a + g, len(self.tables))) for a in range(0, len(self.tables), g)]
-        self.ensembles = [Ensemble(self.tables[a:b]) for a, b in self.groups]
+        self.ensembles = [] if self._per_table else [Ensemble(self.tables[a:b]) for a, b in self.groups]
         self.lr = float(lr)
         self.optimizer = optimizer
         self.table_opt = SGD(self.lr) if optimizer == "sgd" else RowwiseAdagrad(self.lr)
@@ -79,10 +95,17 @@ class DLRM:
         self._predict = make_predict(config.interaction, precision)
         self.timer = timer if timer is not None else PhaseTimer()
         self._buf: np.ndarray | None = None
+        self._uploaded: tuple[Batch, object, object] | None = None  # (batch, its dense inputs on the GPU)
 
     # ------------------------------------------------------------------ steps
-    def lookup(self, batch: Batch) -> np.ndarray:
-        """The (batch, tables, featuresize) interaction input of ``batch``'s sparse features."""
+    def lookup(self, batch: Batch) -> np.ndarray | jax.Array:
+        """The (batch, tables, featuresize) interaction input of ``batch``'s sparse features
+        (a JAX array on the GPU when ``device="gpu"``)."""
+        if self.device == "gpu":
+            if self._per_table:
+                return jnp.stack([_as_jax(lookup(t, batch.indices[i], _at(batch.offsets, i)))
+                                  for i, t in enumerate(self.tables)], axis=1)
+            return _as_jax(self.ensembles[0].lookup(batch.indices, batch.offsets))
         shape = (len(batch), self.config.ntables, self.config.featuresize)
         if self._buf is None or self._buf.shape != shape:
             self._buf = aligned_empty(shape)
@@ -90,21 +113,54 @@ class DLRM:
             ens.lookup_into(self._buf[:, a:b, :], batch.indices[a:b], _part(batch.offsets, a, b))
         return self._buf
 
-    def _pullback(self, grad: np.ndarray, batch: Batch) -> None:
-        for (a, b), ens in zip(self.groups, self.ensembles):
-            ens.pullback(grad[:, a:b, :], batch.indices[a:b], _part(batch.offsets, a, b), optimizer=self.table_opt)
+    def _pullback(self, grad, batch: Batch) -> None:
+        if self._per_table:
+            for i, t in enumerate(self.tables):
+                pullback(t, grad[:, i, :], batch.indices[i], _at(batch.offsets, i), optimizer=self.table_opt)
+        else:
+            for (a, b), ens in zip(self.groups, self.ensembles):
+                ens.pullback(grad[:, a:b, :], batch.indices[a:b], _part(batch.offsets, a, b),
+                             optimizer=self.table_opt)
+        if self.device == "gpu":
+            # The kernels read JAX's gradient buffer, which JAX frees without waiting for CuPy's
+            # stream once the value dies: finish them before it can.
+            _sync_cupy()
 
-    def train_step(self, batch: Batch) -> StepResult:
+    def prefetch(self, batch: Batch) -> None:
+        """On the GPU: start uploading ``batch``'s dense features and labels, and bringing its
+        rows into the cached tables, while the current batch computes."""
+        if self.device != "gpu":
+            return
+        self._uploaded = (batch, jax.device_put(batch.dense), jax.device_put(batch.labels))
+        if self._per_table:
+            from .gpu import prefetch_next
+            prefetch_next(self.tables, [batch.bags(i)[0] for i in range(len(self.tables))])
+
+    def _inputs(self, batch: Batch):
+        """``batch``'s dense features and labels, from the upload :meth:`prefetch` started if it did."""
+        up, self._uploaded = self._uploaded, None
+        if up is not None and up[0] is batch:
+            return up[1], up[2]
+        if self.device == "gpu":  # the same argument kinds as prefetched ones: one compiled variant
+            return jax.device_put(batch.dense), jax.device_put(batch.labels)
+        return batch.dense, batch.labels
+
+    def train_step(self, batch: Batch, next_batch: Batch | None = None) -> StepResult:
+        """One step on ``batch``; ``next_batch`` (when known) is prefetched before the dense work."""
         tm = self.timer
         with tm("cache flush"):
             for t in self.tables:
                 make_room(t)
+        dense, labels = self._inputs(batch)
         with tm("lookup"):
             emb = self.lookup(batch)
+        if next_batch is not None:
+            with tm("prefetch"):
+                self.prefetch(next_batch)
         with tm("dense fwd+bwd"):
-            loss, p, g, gemb = jax.block_until_ready(self._grad(self.params, batch.dense, emb, batch.labels))
+            loss, p, g, gemb = jax.block_until_ready(self._grad(self.params, dense, emb, labels))
         with tm("embedding update"):
-            self._pullback(np.asarray(gemb), batch)
+            self._pullback(gemb if self.device == "gpu" else np.asarray(gemb), batch)
         with tm("dense update"):
             self.params = jax.block_until_ready(sgd_update(self.params, g, np.float32(self.lr)))
         return StepResult(float(loss), np.asarray(p))
@@ -113,9 +169,13 @@ class DLRM:
         """Compile every kernel and jitted function on ``batch`` without changing any weight
         (a zero table gradient and a zero dense gradient are applied), so timings start warm."""
         emb = self.lookup(batch)
-        loss, p, g, gemb = jax.block_until_ready(self._grad(self.params, batch.dense, emb, batch.labels))
-        zero = np.zeros(np.shape(gemb), np.float32)
-        zero.flags.writeable = False  # read-only like the gradient JAX hands back: same kernel variant
+        dense, labels = self._inputs(batch)
+        loss, p, g, gemb = jax.block_until_ready(self._grad(self.params, dense, emb, labels))
+        if self.device == "gpu":
+            zero = jnp.zeros_like(gemb)
+        else:
+            zero = np.zeros(np.shape(gemb), np.float32)
+            zero.flags.writeable = False  # read-only like the gradient JAX hands back: same kernel variant
         self._pullback(zero, batch)
         zeros = jax.tree.map(jnp.zeros_like, g)
         self.params = jax.block_until_ready(sgd_update(self.params, zeros, np.float32(self.lr)))
@@ -142,3 +202,33 @@ class DLRM:
 
     def set_dense(self, params: dict) -> None:
         self.params = to_device(params)
+
+    def _opt_state(self, t: EmbeddingTable):
+        if self.device == "gpu":
+            from embeddings.gpu.tables import state_for
+            return state_for(self.table_opt, t)
+        return self.table_opt.state(t)
+
+    def table_state(self, i: int) -> np.ndarray:
+        """A host copy of table ``i``'s row-wise Adagrad accumulator (wherever it lives)."""
+        st = self._opt_state(self.tables[i])
+        return st.get() if hasattr(st, "get") and not isinstance(st, np.ndarray) else np.array(st)
+
+    def set_table_state(self, i: int, values: np.ndarray) -> None:
+        """Overwrite table ``i``'s row-wise Adagrad accumulator (for resuming)."""
+        from cachedarrays.array import assign_into
+        assign_into(self._opt_state(self.tables[i]), values)
+
+
+def _at(xs, i):
+    return None if xs is None else xs[i]
+
+
+def _as_jax(x):
+    """A GPU lookup's output as a JAX array (CuPy outputs through DLPack, without a copy)."""
+    return x if isinstance(x, jax.Array) else jax.dlpack.from_dlpack(x)
+
+
+def _sync_cupy() -> None:
+    from cachedarrays.devices.gpu import cupy
+    cupy().cuda.get_current_stream().synchronize()

@@ -9,6 +9,10 @@ This module is the only place in ``dlrm`` that knows about table types and devic
   ``cache_fraction`` of its rows cacheable in DRAM (rows cached up front and frozen, or cached
   on access). The static hot set is given (e.g. :func:`hot_rows` of sample batches) or random.
 
+On a manager whose fast level is a GPU (``--device gpu``, :mod:`dlrm.gpu`), ``dram`` tables
+are in HBM and the cached policies use the GPU ``CachedEmbeddings`` over tables in host DRAM
+(``simple``: no cache rows, every row read from the host).
+
 Tables are filled with the reference DLRM initialisation, uniform in +-sqrt(1/rows), from a
 per-table seeded stream (chunked, so a 10M-row table needs no float64 temporary).
 """
@@ -19,7 +23,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from cachedarrays import CachedArray, LRUPolicy, Manager, readable, writable
+from cachedarrays import CachedArray, LRUPolicy, Manager, assign, readable, writable
 from embeddings import CachedEmbeddings, EmbeddingTable, SimpleEmbedding
 
 from .data.batch import Batch
@@ -83,7 +87,12 @@ def make_tables(sizes: Sequence[int], featuresize: int, policy: str, manager: Ma
     if manager.policy is None:
         manager.set_policy(LRUPolicy())
     names = [f"table{i}" for i in range(len(sizes))] if names is None else list(names)
-    cached = policy in ("static", "dynamic")
+    on_gpu = manager.fast.memory_space != "host"
+    cached = policy in ("static", "dynamic") or (on_gpu and policy == "simple")
+    cache_class = CachedEmbeddings
+    if on_gpu and cached:
+        from .gpu import require_cache_api
+        cache_class = require_cache_api(policy)[0]
     if cached and not 0.0 <= cache_fraction <= 1.0:
         raise ValueError(f"cache_fraction must be in [0, 1], got {cache_fraction}")
     tables: list[EmbeddingTable] = []
@@ -95,32 +104,46 @@ def make_tables(sizes: Sequence[int], featuresize: int, policy: str, manager: Ma
             raise MemoryError(f"table {name} ({n} x {featuresize} float32, {need} bytes) does not fit the "
                               f"{dev.name} device ({dev.capacity} bytes); raise --fast-capacity or choose another policy")
         if arrays is None:
-            x = allocate_table(manager, n, featuresize, where)
+            # a GPU table is filled on the host, then moved: the same numbers as a CPU run's
+            x = allocate_table(manager, n, featuresize, "slow" if on_gpu else where)
         else:
             x = arrays[t]
             if x.shape != (int(n), int(featuresize)) or x.dtype != np.float32:
                 raise ValueError(f"table {name}: given array is {x.shape} {x.dtype}, expected ({n}, {featuresize}) float32")
-            if where == "fast" and not manager.policy.prefetch(x.object, force=True):
-                raise MemoryError(f"table {name} could not be moved into {manager.fast.name}; raise --fast-capacity")
         if init:
             init_table(x, seed, t)
+        if where == "fast" and (on_gpu or arrays is not None) and not manager.policy.prefetch(x.object, force=True):
+            raise MemoryError(f"table {name} could not be moved into {manager.fast.name}; raise "
+                              f"{'--fast-budget' if on_gpu else '--fast-capacity'}")
         if cached:
-            rows = cache_rows(n, cache_fraction)
+            rows = cache_rows(n, cache_fraction) if policy != "simple" else 0
             hot_t = hot[t] if hot is not None and policy == "static" else None
-            tables.append(CachedEmbeddings(x, policy=policy, cache_rows=rows, hot=hot_t, name=name))
+            extra = {"manager": manager} if on_gpu else {}
+            tables.append(cache_class(x, policy=policy, cache_rows=rows, hot=hot_t, name=name, **extra))
         else:
             tables.append(SimpleEmbedding(x, name=name))
     return tables
 
 
+def is_cached(t: EmbeddingTable) -> bool:
+    """Whether ``t`` is a cached table (the CPU class, or the GPU one where this build has it)."""
+    if isinstance(t, CachedEmbeddings):
+        return True
+    if type(t).__module__.startswith("embeddings.gpu"):
+        from .gpu import cache_api
+        api = cache_api()
+        return api is not None and isinstance(t, api[0])
+    return False
+
+
 def table_array(t: EmbeddingTable) -> CachedArray | np.ndarray:
     """The full (base) array of a table, for checkpoints and tests."""
-    return t.base_array if isinstance(t, CachedEmbeddings) else t.data
+    return t.base_array if is_cached(t) else t.data
 
 
 def read_table(t: EmbeddingTable) -> np.ndarray:
     """A copy of the table's current contents (cached rows are written back, and stay cached)."""
-    if isinstance(t, CachedEmbeddings):
+    if is_cached(t):
         t.writeback()
     x = table_array(t)
     if isinstance(x, CachedArray):
@@ -135,16 +158,16 @@ def write_table(t: EmbeddingTable, values: np.ndarray) -> None:
     x = table_array(t)
     if isinstance(x, CachedArray):
         with writable(x) as a:
-            a[...] = values
+            assign(a, values)
     else:
         x[...] = values
-    if isinstance(t, CachedEmbeddings):
+    if is_cached(t):
         t.invalidate()
 
 
 def flush(t: EmbeddingTable) -> None:
     """The *cache flush* phase: write back and drop a cached table's oldest pages down to its lower bound."""
-    if isinstance(t, CachedEmbeddings):
+    if is_cached(t):
         t.flush_dirty()
 
 
@@ -152,19 +175,19 @@ def make_room(t: EmbeddingTable) -> None:
     """Flush a full dynamic cache before a lookup, so the flush is timed as its own phase
     (``access_and_cache`` would otherwise do it inside the lookup). A static cache is full by
     design and never caches again: flushing it would only drop its hottest rows."""
-    if isinstance(t, CachedEmbeddings) and t.policy == "dynamic" and t.isfull():
+    if is_cached(t) and t.policy == "dynamic" and t.isfull():
         t.flush_dirty()
 
 
 def reset_counters(t: EmbeddingTable) -> None:
     """Start a cached table's hit/miss counts afresh (e.g. after a warm-up)."""
-    if isinstance(t, CachedEmbeddings):
+    if is_cached(t):
         t.reset_counters()
 
 
 def hitrate(t: EmbeddingTable) -> float | None:
     """The table's cache hit rate, or None for a table without a cache."""
-    return t.hitrate() if isinstance(t, CachedEmbeddings) else None
+    return t.hitrate() if is_cached(t) else None
 
 
 def table_devices(tables: Sequence[EmbeddingTable]) -> list[str]:

@@ -2,9 +2,14 @@
 
 Flags follow the public reference DLRM (``dlrm_s_pytorch.py``) where they exist; ours are
 ``--policy``, ``--cache-fraction``, ``--fast-capacity``, ``--pm-path``, ``--threads``,
-``--report``, ``--plot``, ``--save``, ``--load``, ``--checkpoint-every``, ``--checkpoint-minutes``
-and ``--resume-from-pool``. The defaults train a small model on synthetic data with a hidden
-teacher in about a minute.
+``--report``, ``--plot``, ``--save``, ``--load``, ``--checkpoint-every``, ``--checkpoint-minutes``,
+``--resume-from-pool``, ``--device`` and ``--fast-budget``. The defaults train a small model on
+synthetic data with a hidden teacher in about a minute.
+
+``--device gpu`` trains on a GPU: dense part and interaction in JAX there, tables in HBM
+(``--policy dram``) or in host DRAM with their hot rows cached in HBM (``simple``/``static``/
+``dynamic``), the next batch's rows prefetched while the current one computes; ``--fast-budget``
+caps the HBM the tables may use (see :mod:`dlrm.gpu`).
 
 Two ways to survive a restart or a kill -9: ``--save FILE`` with a checkpoint interval writes
 checkpoint files (atomically: a crash mid-write keeps the previous one) and ``--load FILE``
@@ -23,8 +28,10 @@ import time
 
 
 from . import checkpoint
+from . import gpu
 from .dense import PRECISIONS, DLRMConfig
 from .metrics import accuracy
+from .model import DEVICES
 from .placement import POLICIES, cache_rows, flush, hitrate, hot_rows, make_tables, table_devices
 
 DEFAULTS = dict(sizes="100000-50000-20000-10000-5000-2000-1000-500", bot="13-512-256-64-16", top="512-256-1")
@@ -109,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the tables, dense weights and optimizer state in the persistent pool file --pm-path "
                         "(created if missing) and continue from its last durable point")
     m.add_argument("--threads", type=int, default=0, help="numba threads (0: all cores)")
+    m.add_argument("--device", choices=DEVICES, default="cpu",
+                   help="gpu: dense part and tables on the GPU (dram: tables in HBM; simple/static/dynamic: "
+                        "host tables with hot rows cached in HBM)")
+    m.add_argument("--fast-budget", type=gpu.parse_budget, default="auto", metavar="SIZE|PCT",
+                   help="--device gpu: HBM the tables may use, a size (8GiB) or a percentage of the tables' bytes "
+                        "(10%%); auto: what the policy needs")
     return p
 
 
@@ -175,12 +188,43 @@ def check_args(args) -> None:
         if args.pm_path is None or os.path.isdir(args.pm_path):
             raise SystemExit("error: --resume-from-pool needs --pm-path to name a pool file (created if missing), "
                              f"got {'nothing' if args.pm_path is None else 'the directory ' + args.pm_path}")
+    if args.device == "gpu":
+        if args.resume_from_pool or args.pm_path is not None:
+            raise SystemExit("error: --device gpu keeps the tables in host DRAM and HBM; --pm-path and "
+                             "--resume-from-pool are CPU-only (use --save/--load to checkpoint)")
+    elif args.fast_budget != "auto":
+        raise SystemExit("error: --fast-budget caps the HBM of --device gpu; the CPU run's DRAM heap is --fast-capacity")
     if args.save:
         check_writable(args.save)
     if args.checkpoint_every < 0 or args.checkpoint_minutes < 0:
         raise SystemExit("error: --checkpoint-every and --checkpoint-minutes must not be negative")
     if (args.checkpoint_every or args.checkpoint_minutes) and not (args.save or args.resume_from_pool):
         raise SystemExit("error: a checkpoint interval needs --save FILE or --pm-path POOL --resume-from-pool")
+
+
+def make_gpu_manager(args, sizes: list[int], featuresize: int):
+    """The GPU and host-DRAM levels of a ``--device gpu`` run: the GPU level holds ``--fast-budget``
+    (refused before any memory is touched when it cannot hold what must be in HBM)."""
+    from cachedarrays import parse_size
+
+    table_bytes = sum(sizes) * featuresize * 4
+    rows = [cache_rows(n, args.cache_fraction) for n in sizes]
+    capacity = gpu.resolve_budget(args.fast_budget, table_bytes, gpu.hbm_need(args.policy, sizes, featuresize, rows),
+                                   args.policy)
+    gpu.require_gpu()
+    host = table_bytes + gpu.SLACK if args.fast_capacity == "auto" else parse_size(args.fast_capacity)
+    return gpu.make_manager(capacity, host)
+
+
+def with_next(items):
+    """``(i, batch, next batch or None)`` for each ``(i, batch)``: the next batch is known one step ahead."""
+    prev = None
+    for item in items:
+        if prev is not None:
+            yield prev[0], prev[1], item[1]
+        prev = item
+    if prev is not None:
+        yield prev[0], prev[1], None
 
 
 def state_bytes(cfg: DLRMConfig, optimizer: str) -> int:
@@ -220,7 +264,11 @@ def run(args) -> dict:
         raise SystemExit("error: --num-batches must be positive for synthetic data (or the data set is too small)")
     total = per_epoch * args.nepochs
 
-    with make_manager(args, table_bytes, F, state_bytes(cfg, args.optimizer)) as manager:
+    if args.device == "gpu":
+        manager = make_gpu_manager(args, sizes, F)
+    else:
+        manager = make_manager(args, table_bytes, F, state_bytes(cfg, args.optimizer))
+    with manager:
         t0 = time.perf_counter()
         hot = None
         if args.policy == "static" and args.static_sample_batches > 0:
@@ -232,7 +280,7 @@ def run(args) -> dict:
                              arrays=arrays, init=meta is None)
         del arrays
         model = DLRM(cfg, tables, optimizer=args.optimizer, lr=args.learning_rate, seed=args.seed,
-                     precision=args.dense_precision)
+                     precision=args.dense_precision, device=args.device)
         start = 0
         if args.load:
             start = int(checkpoint.load(args.load, model)["step"])
@@ -246,7 +294,7 @@ def run(args) -> dict:
         model.warmup(data.batch(start % per_epoch if args.data_generation == "dataset" else start))
         setup = time.perf_counter() - t0
         print(f"DLRM: {len(sizes)} tables ({sum(sizes)} rows x {F}, {table_bytes / 2**20:.1f} MiB) policy={args.policy} "
-              f"on {', '.join(sorted(set(table_devices(tables))))}; bottom {'-'.join(map(str, bottom))}, "
+              f"on {', '.join(sorted(set(table_devices(tables))))}, dense on {args.device}; bottom {'-'.join(map(str, bottom))}, "
               f"top {'-'.join(map(str, cfg.top_sizes))}, {args.arch_interaction_op} interaction; "
               f"batches {start}..{total} of {args.mini_batch_size}; setup and compilation {setup:.1f} s", file=sys.stderr)
         manager.reset_telemetry()
@@ -289,8 +337,8 @@ def run(args) -> dict:
             interval.done()
 
         try:
-            for i, batch in loader:
-                r = model.train_step(batch)
+            for i, batch, nxt in with_next(loader):
+                r = model.train_step(batch, nxt if args.device == "gpu" else None)
                 losses.append((i + 1, r.loss))
                 win_loss += r.loss
                 win_acc += accuracy(r.logits, batch.labels)

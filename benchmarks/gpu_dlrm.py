@@ -1,0 +1,436 @@
+"""The whole DLRM training step on the GPU: tables larger than HBM, and the reference layout (b).
+
+Part 1, tables larger than the GPU (default: 8 tables of 45M rows x 64 float32, 92 GB in host
+memory; ``--tables``/``--rows`` change it, ``--quick`` runs 8 x 1M): bottom MLP 512-512-64, top
+1024-1024-1024-1, dot interaction, batch 16384, 20 lookups per bag, Zipf(1) indices. Three
+trainers run in alternating rounds on the same index stream:
+
+* ours: ``dlrm.DLRM(device="gpu")`` over the GPU ``CachedEmbeddings`` (tables in page-locked
+  host DRAM, an HBM budget of ``--budget`` of the tables' bytes for the cache rows and the
+  pointer tables, the cache fraction being what the budget holds; ``--policy static`` caches the
+  most frequent rows, known from the index generator, ``dynamic`` caches on access); the next
+  batch is prefetched before the current batch's dense work, as ``dlrm.train`` does;
+* in HBM: the same model with tables small enough to sit in HBM (``rows / --shrink`` rows each),
+  the same Zipf ranks scaled down to them;
+* PyTorch without FBGEMM: ``nn.EmbeddingBag(sparse=True)`` over the same host tables on the CPU,
+  pooled outputs copied to the GPU, dense MLPs and interaction on the GPU (torch), the pooled
+  gradients copied back, the sparse SGD step on the CPU.
+
+Reported: samples/s of the whole step (lookup, dense forward and backward, table and dense
+updates; batches are generated before timing), hit rate, bytes moved between host and GPU per
+batch (the manager's telemetry, and the misses' rows), and those bytes per second against the
+host-to-GPU copy bandwidth measured in the same run. Targets: hit rate >= 80%; ours >= 0.8x the
+in-HBM samples/s; ours >= 3x the PyTorch-CPU-tables samples/s.
+
+Part 2, the facebookresearch DLRM reference layout (b) on the GPU: 8 x 1M rows, F=64, 100
+uniform lookups per bag, batch 2048, same MLPs: ours (tables in HBM) against torch all in HBM
+(``nn.EmbeddingBag(sparse=True)`` + torch MLPs + ``optim.SGD`` on CUDA, batches uploaded in the
+step as ours are). The ratio is reported (information, no target).
+
+Zipf(1) indices come from the inverse of its continuous CDF (rank = floor((n+1)^u) - 1, u
+uniform), scattered over the rows by an affine bijection per table: vectorised, so 45M-row
+streams cost no 360 MB CDF or permutation per table. Tables are filled with a tiled random
+block by 16 threads (values do not matter to the timings). Medians over rounds; JSON to
+``results/gpu_dlrm.json``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+try:
+    from benchmarks import _paths  # noqa: F401
+    from benchmarks._common import environment, parser, print_table, print_targets, verdict, write_json
+except ImportError:
+    import _paths  # noqa: F401
+    from _common import environment, parser, print_table, print_targets, verdict, write_json
+
+BOTTOM = (512, 512, 64)
+TOP = (1024, 1024, 1024, 1)
+SCATTER = 2654435761  # a prime: ``(rank * SCATTER + table) % n`` is a bijection where it does not divide n
+
+
+# ------------------------------------------------------------------ data
+def zipf_ranks(n: int, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Zipf(1) ranks in [0, n) (0 the most frequent) by the inverse of the continuous CDF."""
+    r = np.exp(rng.random(shape) * math.log(n + 1)).astype(np.int64) - 1
+    return np.clip(r, 0, n - 1)
+
+
+def scatter(ranks: np.ndarray, n: int, table: int) -> np.ndarray:
+    """Rank -> row, a bijection of [0, n) per table (hot rows spread over the table)."""
+    p = SCATTER if n % SCATTER else SCATTER + 2
+    return ((ranks % n) * p + table) % n
+
+
+def make_batches(nsteps: int, T: int, big: int, small: int, B: int, k: int, seed: int):
+    """Two lists of ``dlrm`` batches with the same ranks: over ``big``-row and ``small``-row tables."""
+    from dlrm.data.batch import Batch
+
+    rng = np.random.default_rng(seed)
+    dense = [rng.standard_normal((B, BOTTOM[0]), dtype=np.float32) for _ in range(4)]
+    labels = [(rng.random(B) < 0.3).astype(np.float32) for _ in range(4)]
+    out_big, out_small = [], []
+    for s in range(nsteps):
+        ranks = [zipf_ranks(big, (B, k), rng) for _ in range(T)]
+        out_big.append(Batch(dense[s % 4], [scatter(r, big, t).astype(np.int32) for t, r in enumerate(ranks)],
+                             labels[s % 4]))
+        out_small.append(Batch(dense[s % 4], [scatter(r * small // big, small, t).astype(np.int32)
+                                              for t, r in enumerate(ranks)], labels[s % 4]))
+    return out_big, out_small
+
+
+def fill(arrays, seed: int, workers: int = 16) -> None:
+    """Fill float32 2-d arrays (numpy or CuPy) with a tiled random block, in parallel chunks."""
+    block_rows = 1 << 16
+    F = arrays[0].shape[1]
+    block = (np.random.default_rng(seed).random((block_rows, F), dtype=np.float32) - 0.5) * 0.02
+    host = isinstance(arrays[0], np.ndarray)
+    if not host:
+        import cupy as cp
+        block = cp.asarray(block)
+    jobs = [(a, s) for a in arrays for s in range(0, a.shape[0], block_rows)]
+
+    def one(job):
+        a, s = job
+        e = min(s + block_rows, a.shape[0])
+        a[s:e] = block[:e - s]
+
+    if host:
+        with ThreadPoolExecutor(workers) as ex:
+            list(ex.map(one, jobs))
+    else:
+        for j in jobs:
+            one(j)
+
+
+# ------------------------------------------------------------------ timing
+def rounds(contenders: dict, nrounds: int) -> dict:
+    """``contenders[name] = (step(j), steps per round, batch size)``: samples/s per round,
+    contenders alternating inside every round (order reversed every other round)."""
+    names = list(contenders)
+    got = {n: [] for n in names}
+    pos = {n: 0 for n in names}
+    for r in range(nrounds):
+        for n in (names if r % 2 == 0 else names[::-1]):
+            step, per_round, B = contenders[n]
+            t0 = time.perf_counter()
+            for _ in range(per_round):
+                step(pos[n])
+                pos[n] += 1
+            got[n].append(per_round * B / (time.perf_counter() - t0))
+    return {n: statistics.median(v) for n, v in got.items()}
+
+
+def h2d_bandwidth(cp, nbytes: int) -> float:
+    """Host-to-GPU copy bandwidth from pinned memory (GB/s), median of 5."""
+    host = cp.cuda.alloc_pinned_memory(nbytes)
+    src = np.frombuffer(host, np.uint8, nbytes)
+    src[:] = 1
+    dst = cp.empty(nbytes, cp.uint8)
+    ts = []
+    for _ in range(6):
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        dst.set(src)
+        cp.cuda.Device().synchronize()
+        ts.append(time.perf_counter() - t0)
+    del dst
+    return nbytes / statistics.median(ts[1:]) / 1e9
+
+
+# ------------------------------------------------------------------ trainers
+def ours_trainer(model, batches):
+    """A step function over ``batches`` (cycled) that prefetches the next batch, as dlrm.train does."""
+    n = len(batches)
+    return lambda j: model.train_step(batches[j % n], batches[(j + 1) % n])
+
+
+class TorchHostTables:
+    """PyTorch without FBGEMM: tables on the CPU (``nn.EmbeddingBag`` over the given host arrays,
+    not copied), pooled outputs to the GPU, dense part on the GPU, gradients back, CPU sparse SGD."""
+
+    def __init__(self, host_tables, dense: dict, lr: float, device: str = "cuda"):
+        import torch
+        from torch_dlrm import TorchDLRM
+
+        self.torch = torch
+        self.model = TorchDLRM(host_tables, dense)
+        self.model.bot.to(device)
+        self.model.top.to(device)
+        self.model.li, self.model.lj = self.model.li.to(device), self.model.lj.to(device)
+        self.sparse_opt = torch.optim.SGD(self.model.emb.parameters(), lr=lr)
+        self.dense_opt = torch.optim.SGD(list(self.model.bot.parameters()) + list(self.model.top.parameters()), lr=lr)
+        self.loss_fn = torch.nn.BCEWithLogitsLoss()
+        self.device = device
+
+    def convert(self, batch):
+        t = self.torch
+        return (t.from_numpy(batch.dense), [t.from_numpy(i.astype(np.int64)) for i in batch.indices],
+                t.from_numpy(batch.labels))
+
+    def step(self, tb) -> float:
+        t = self.torch
+        dense, idx, y = tb
+        self.sparse_opt.zero_grad(set_to_none=True)
+        self.dense_opt.zero_grad(set_to_none=True)
+        pooled = [e(i) for e, i in zip(self.model.emb, idx)]
+        ly = [p.detach().to(self.device, non_blocking=True).requires_grad_() for p in pooled]
+        h = self.model.bottom(dense.to(self.device, non_blocking=True))
+        loss = self.loss_fn(self.model.from_embeddings(h, ly), y.to(self.device, non_blocking=True))
+        loss.backward()
+        t.autograd.backward(pooled, [g.grad.cpu() for g in ly])
+        self.sparse_opt.step()
+        self.dense_opt.step()
+        return float(loss.detach())
+
+
+class TorchInHBM:
+    """Torch all in HBM: ``nn.EmbeddingBag(sparse=True)`` + MLPs + ``optim.SGD`` on CUDA."""
+
+    def __init__(self, tables, dense: dict, lr: float):
+        import torch
+        from torch_dlrm import TorchDLRM, TorchTrainer
+
+        self.torch = torch
+        self.trainer = TorchTrainer(TorchDLRM(tables, dense).cuda(), lr)
+
+    def step(self, batch) -> float:
+        dense, idx, offs, y = self.trainer.convert(batch)
+        return self.trainer.step((dense.cuda(non_blocking=True), [i.cuda(non_blocking=True) for i in idx],
+                                  offs, y.cuda(non_blocking=True)))
+
+
+# ------------------------------------------------------------------ part 1
+def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
+    from cachedarrays import CachedArray, writable
+    from dlrm import DLRM, DLRMConfig, make_tables
+    from dlrm import gpu as G
+    from dlrm.placement import cache_rows, hitrate, reset_counters
+    from embeddings import SimpleEmbedding
+
+    T, n, F, B, k = args.tables, args.rows, 64, args.batch, args.lookups
+    small = max(1, n // args.shrink)
+    sizes = [n] * T
+    table_bytes = T * n * F * 4
+    budget = int(table_bytes * args.budget / 100)
+    cf = G.cache_fraction_for(budget, args.policy, sizes, F)
+    cfg = DLRMConfig(sizes, F, BOTTOM, TOP)
+    print(f"\nPart 1: {T} tables x {n} rows x {F} float32 ({table_bytes / 1e9:.1f} GB on the host), HBM budget "
+          f"{args.budget}% = {budget / 1e9:.2f} GB -> cache fraction {cf:.4f} ({args.policy}); batch {B}, {k} per bag; "
+          f"in-HBM model: {T} x {small} rows", flush=True)
+    t0 = time.perf_counter()
+    nsteps = args.steps
+    big_b, small_b = make_batches(nsteps, T, n, small, B, k, seed=1)
+    print(f"  index stream: {nsteps} batches in {time.perf_counter() - t0:.1f} s", flush=True)
+    res: dict = {"tables": T, "rows": n, "F": F, "batch": B, "lookups": k, "budget_pct": args.budget,
+                 "budget_bytes": budget, "cache_fraction": cf, "policy": args.policy, "small_rows": small}
+    contenders = {}
+
+    # in HBM: small tables as CuPy arrays
+    t0 = time.perf_counter()
+    hbm_w = [cp.empty((small, F), cp.float32) for _ in range(T)]
+    fill(hbm_w, seed=2)
+    hbm = DLRM(DLRMConfig([small] * T, F, BOTTOM, TOP), [SimpleEmbedding(w, name=f"hbm{t}") for t, w in enumerate(hbm_w)],
+               lr=args.lr, device="gpu")
+    hbm.warmup(small_b[0])
+    contenders["in HBM"] = (ours_trainer(hbm, small_b), args.per_round, B)
+    print(f"  in-HBM model ready in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    # ours: host tables with an HBM cache
+    api = G.cache_api()
+    t0 = time.perf_counter()
+    m = G.make_manager(budget, table_bytes + G.SLACK)
+    res["setup_pagelock_s"] = time.perf_counter() - t0
+    arrays = [CachedArray((n, F), m, np.float32, place="slow") for _ in range(T)]
+    views = [writable(x) for x in arrays]  # host views for the fill and for torch (pinned: nothing moves them)
+    t1 = time.perf_counter()
+    fill([v.array for v in views], seed=3)
+    res["setup_fill_s"] = time.perf_counter() - t1
+    print(f"  host tables: page-locked in {res['setup_pagelock_s']:.1f} s, filled in {res['setup_fill_s']:.1f} s "
+          f"({table_bytes / 1e9 / max(res['setup_fill_s'], 1e-9):.1f} GB/s)", flush=True)
+    ours = None
+    if api is None:
+        print("  ours: this build has no GPU CachedEmbeddings (embeddings.gpu.cached); not measured", flush=True)
+    else:
+        t1 = time.perf_counter()
+        crow = cache_rows(n, cf)
+        hot = [scatter(np.arange(crow), n, t) for t in range(T)] if args.policy == "static" else None
+        tables = make_tables(sizes, F, args.policy, m, cache_fraction=cf, arrays=arrays, init=False, hot=hot)
+        ours = DLRM(cfg, tables, lr=args.lr, device="gpu")
+        ours.warmup(big_b[0])
+        for j in range(args.warm_steps):
+            ours.train_step(big_b[j % nsteps], big_b[(j + 1) % nsteps])
+        for t in tables:
+            reset_counters(t)
+        m.reset_telemetry()
+        contenders["ours"] = (ours_trainer(ours, big_b), args.per_round, B)
+        print(f"  ours ready in {time.perf_counter() - t1:.1f} s ({args.warm_steps} warm-up steps)", flush=True)
+
+    # PyTorch without FBGEMM, over the same host tables
+    from dlrm.dense import init_dense
+    th = TorchHostTables([np.asarray(v.array) for v in views], init_dense(cfg, 0), args.lr)
+    tbs = [th.convert(b) for b in big_b]
+    th.step(tbs[0])
+    contenders["torch CPU tables"] = (lambda j: th.step(tbs[j % nsteps]), args.torch_per_round, B)
+
+    counted = {"ours": 0}
+
+    if ours is not None:
+        step = contenders["ours"][0]
+
+        def counting(j, step=step):
+            counted["ours"] += 1
+            return step(j)
+        contenders["ours"] = (counting, args.per_round, B)
+    sps = rounds(contenders, args.rounds)
+    res["samples_per_s"] = sps
+    if ours is not None:
+        steps = counted["ours"]
+        rates = [hitrate(t) for t in ours.tables]
+        res["hit_rate"] = float(np.mean(rates))
+        res["hit_rate_per_table"] = rates
+        tel = m.telemetry()
+        moved = {k_: int(v) for k_, v in tel.get("bytes_moved", {}).items()}
+        res["bytes_moved_per_batch"] = {k_: v / steps for k_, v in moved.items()}
+        per_batch = sum(moved.values()) / steps
+        res["moved_MB_per_batch"] = per_batch / 1e6
+        res["miss_rows_per_batch"] = (1 - res["hit_rate"]) * T * B * k
+        res["miss_MB_per_batch"] = res["miss_rows_per_batch"] * F * 4 / 1e6
+        step_s = B / sps["ours"]
+        res["host_traffic_GBps"] = max(per_batch, res["miss_MB_per_batch"] * 1e6) / step_s / 1e9
+        res["host_traffic_fraction_of_h2d"] = res["host_traffic_GBps"] / bw_h2d
+        res["ours_over_hbm"] = sps["ours"] / sps["in HBM"]
+        res["ours_over_torch_cpu"] = sps["ours"] / sps["torch CPU tables"]
+    rows = []
+    for name in contenders:
+        r = [name, sps[name], 1e3 * B / sps[name]]
+        r += [sps[name] / sps["in HBM"], sps[name] / sps["torch CPU tables"]]
+        rows.append(r)
+    print_table(f"Part 1: whole DLRM step, {T} x {n} rows (samples/s, medians of {args.rounds} rounds)",
+                ["trainer", "samples/s", "ms/step", "x in-HBM", "x torch CPU tables"], rows)
+    targets = {}
+    if ours is not None:
+        print_table("Part 1: ours, host <-> GPU traffic",
+                    ["hit rate", "MB moved/batch", "miss MB/batch", "GB/s", "H2D GB/s (measured)", "% of H2D"],
+                    [[f"{100 * res['hit_rate']:.1f}%", res["moved_MB_per_batch"], res["miss_MB_per_batch"],
+                      res["host_traffic_GBps"], bw_h2d, 100 * res["host_traffic_fraction_of_h2d"]]])
+        print("  bytes moved per batch by pair: " + ", ".join(f"{k_} {v / 1e6:.1f} MB"
+                                                             for k_, v in res["bytes_moved_per_batch"].items()))
+        targets[f"part 1: hit rate >= 80% ({100 * res['hit_rate']:.1f}%)"] = res["hit_rate"] >= 0.8
+        targets[f"part 1: >= 0.8x the in-HBM samples/s ({res['ours_over_hbm']:.2f}x)"] = res["ours_over_hbm"] >= 0.8
+        targets[f"part 1: >= 3x PyTorch with CPU tables ({res['ours_over_torch_cpu']:.2f}x)"] = \
+            res["ours_over_torch_cpu"] >= 3
+    else:
+        for t in ("hit rate >= 80%", ">= 0.8x the in-HBM samples/s", ">= 3x PyTorch with CPU tables"):
+            targets[f"part 1: {t} (not measured: no GPU CachedEmbeddings in this build)"] = False
+    del th, tbs, contenders, hbm, hbm_w, ours
+    for v in views:
+        v.release()
+    del views, arrays
+    m.close()
+    cp.get_default_memory_pool().free_all_blocks()
+    return res, targets
+
+
+# ------------------------------------------------------------------ part 2
+def part2(args, cp, bw_d2d: float) -> tuple[dict, dict]:
+    import torch
+
+    from dlrm import DLRM, DLRMConfig
+    from dlrm.data.batch import Batch
+    from dlrm.dense import init_dense
+    from embeddings import SimpleEmbedding
+
+    T, n, F, k, B = 8, args.b_rows, 64, 100, args.b_batch
+    cfg = DLRMConfig([n] * T, F, BOTTOM, TOP)
+    rng = np.random.default_rng(5)
+    batches = [Batch(rng.standard_normal((B, BOTTOM[0]), dtype=np.float32),
+                     [rng.integers(0, n, (B, k), dtype=np.int64).astype(np.int32) for _ in range(T)],
+                     (rng.random(B) < 0.3).astype(np.float32)) for _ in range(8)]
+    host = [np.empty((n, F), np.float32) for _ in range(T)]
+    fill(host, seed=6)
+    W = [cp.asarray(h) for h in host]
+    ours = DLRM(cfg, [SimpleEmbedding(w, name=f"b{t}") for t, w in enumerate(W)], lr=args.lr, device="gpu")
+    ours.warmup(batches[0])
+    theirs = TorchInHBM(host, init_dense(cfg, 0), args.lr)
+    theirs.step(batches[0])
+    torch.cuda.synchronize()
+    sps = rounds({"ours (tables in HBM)": (ours_trainer(ours, batches), args.per_round, B),
+                  "torch all in HBM": (lambda j: theirs.step(batches[j % len(batches)]), args.per_round, B)},
+                 args.rounds)
+    a, b = sps["ours (tables in HBM)"], sps["torch all in HBM"]
+    emb_bytes = T * B * k * F * 4  # rows read by the lookup (the update touches the unique ones again)
+    res = {"tables": T, "rows": n, "F": F, "lookups": k, "batch": B, "samples_per_s": sps, "ours_over_torch": a / b,
+           "lookup_bytes_per_step": emb_bytes, "d2d_GBps": bw_d2d}
+    print_table(f"Part 2: reference layout (b) on the GPU, {T} x {n}, F{F}, {k} per bag, batch {B} "
+                f"(samples/s, medians of {args.rounds} rounds)",
+                ["trainer", "samples/s", "ms/step", "rows read GB/s", "% D2D copy bw", "x torch"],
+                [[name, v, 1e3 * B / v, emb_bytes * v / B / 1e9, 100 * emb_bytes * v / B / 1e9 / bw_d2d, v / b]
+                 for name, v in sps.items()])
+    del ours, theirs, W
+    cp.get_default_memory_pool().free_all_blocks()
+    torch.cuda.empty_cache()
+    return res, {f"part 2: ours / torch all in HBM on layout (b) = {a / b:.2f}x (information)": True}
+
+
+def main(argv=None) -> int:
+    p = parser(__doc__, "results/gpu_dlrm.json")
+    p.add_argument("--tables", type=int, default=8, help="part 1: tables")
+    p.add_argument("--rows", type=int, default=45_000_000, help="part 1: rows per table")
+    p.add_argument("--budget", type=float, default=10.0, help="part 1: HBM budget, percent of the tables' bytes")
+    p.add_argument("--policy", choices=("static", "dynamic"), default="static", help="part 1: cache policy")
+    p.add_argument("--batch", type=int, default=16384, help="part 1: batch size")
+    p.add_argument("--lookups", type=int, default=20, help="part 1: lookups per bag")
+    p.add_argument("--shrink", type=int, default=10, help="part 1: the in-HBM tables have rows / SHRINK rows")
+    p.add_argument("--steps", type=int, default=24, help="part 1: distinct batches (cycled)")
+    p.add_argument("--warm-steps", type=int, default=8, help="part 1: untimed steps of ours before timing")
+    p.add_argument("--rounds", type=int, default=5, help="alternating rounds (medians reported)")
+    p.add_argument("--per-round", type=int, default=6, help="steps per round and trainer")
+    p.add_argument("--torch-per-round", type=int, default=1, help="part 1: steps per round of the torch CPU baseline")
+    p.add_argument("--b-rows", type=int, default=1_000_000, help="part 2: rows per table")
+    p.add_argument("--b-batch", type=int, default=2048, help="part 2: batch size")
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--skip", choices=("1", "2"), action="append", default=[], help="skip part 1 or 2")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rows, args.steps, args.warm_steps, args.rounds, args.per_round = 1_000_000, 8, 4, 3, 3
+        args.batch, args.b_rows = 4096, 200_000
+    from cachedarrays.devices import gpu
+    if not gpu.available():
+        print("gpu_dlrm benchmark skipped: no usable CUDA GPU here (or CuPy is missing)", file=sys.stderr)
+        return 0
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX would take 75% of the GPU from CuPy
+    import cupy as cp
+    import torch
+    torch.set_num_threads(os.cpu_count() or 1)
+
+    from gpu_embeddings import copy_bandwidth
+
+    bw_h2d = h2d_bandwidth(cp, 1 << 30)
+    bw_d2d = copy_bandwidth(cp, 1 << 30, 5)
+    print(f"GPU DLRM benchmark ({'quick' if args.quick else 'full'}): host->GPU {bw_h2d:.1f} GB/s (pinned), "
+          f"device copy {bw_d2d:.0f} GB/s (read + write)", flush=True)
+    out = {"environment": environment(), "quick": args.quick, "h2d_GBps": bw_h2d, "d2d_GBps": bw_d2d}
+    targets: dict = {}
+    if "1" not in args.skip:
+        out["part1"], t = part1(args, cp, bw_h2d)
+        targets.update(t)
+    if "2" not in args.skip:
+        out["part2"], t = part2(args, cp, bw_d2d)
+        targets.update(t)
+    print_targets(targets)
+    out["targets"] = {k: verdict(v) for k, v in targets.items()}
+    write_json(args.out, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""The GPU side of ``python -m dlrm.train --device gpu``: the HBM budget, the manager and the
+cached-table API.
+
+Placement on a GPU (``--policy``): ``dram`` keeps every table in HBM (a ``SimpleEmbedding`` over a
+CachedArray on the GPU level); ``simple``, ``static`` and ``dynamic`` keep the tables in host DRAM
+and cache hot rows in HBM (the GPU ``CachedEmbeddings``, whose ``prefetch(cached, next_indices)``
+brings the next batch's missing rows in while the current batch computes). ``--fast-budget``
+is the capacity of the manager's GPU level, so it caps the HBM the tables may use; what must be
+in HBM (:func:`hbm_need`) is checked against it before any memory is touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Sequence
+from functools import cache
+from typing import Any
+
+from cachedarrays import parse_size
+
+SLACK = 64 << 20  # bytes a level keeps beyond what is counted (alignment, small objects)
+POINTER_BYTES = 8  # per row of a cached table: its pointer-table entry in HBM
+FREQUENCY_BYTES = 1  # per row of a dynamic table: its access count in HBM
+
+
+def parse_budget(text: str) -> str:
+    """argparse type of ``--fast-budget``: ``auto``, a size (``8GiB``) or a percentage of the
+    tables' bytes (``10%``); returned unchanged once it is known to be one of them."""
+    s = str(text).strip()
+    if s == "auto":
+        return s
+    try:
+        if s.endswith("%"):
+            pct = float(s[:-1])
+            if not pct > 0:
+                raise ValueError
+        else:
+            parse_size(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--fast-budget must be 'auto', a size like 8GiB or a positive percentage of the tables like 10%, "
+            f"got {text!r}") from None
+    return s
+
+
+def hbm_need(policy: str, sizes: Sequence[int], featuresize: int, cache_rows: Sequence[int]) -> int:
+    """Bytes that must be in HBM: every table under ``dram``; the cache rows and the per-row
+    pointer (and, for ``dynamic``, frequency) entries under the cached policies."""
+    if policy == "dram":
+        return sum(int(n) * featuresize * 4 for n in sizes)
+    per_row = POINTER_BYTES + (FREQUENCY_BYTES if policy == "dynamic" else 0)
+    cached = 0 if policy == "simple" else sum(int(c) * featuresize * 4 for c in cache_rows)
+    return cached + per_row * sum(int(n) for n in sizes)
+
+
+def resolve_budget(budget: str, table_bytes: int, need: int, policy: str) -> int:
+    """The GPU level's capacity in bytes for ``--fast-budget`` ``budget`` (``auto``: ``need``
+    plus slack); SystemExit when it cannot hold ``need``, the bytes ``policy`` must keep in HBM."""
+    if budget == "auto":
+        return need + SLACK
+    cap = int(table_bytes * float(budget[:-1]) / 100) if budget.endswith("%") else parse_size(budget)
+    if cap < need:
+        from cachedarrays import format_size
+        what, fix = (("every table", "or choose a cached --policy (static, dynamic, simple)") if policy == "dram"
+                     else ("the cache rows and the per-row pointers", "or lower --cache-fraction"))
+        raise SystemExit(f"error: --fast-budget {budget} ({format_size(cap)}) cannot hold what --policy {policy} "
+                         f"must keep in HBM ({format_size(need)}: {what}); raise the budget {fix}")
+    return cap
+
+
+def require_gpu() -> None:
+    """SystemExit naming why there is no usable GPU here (CuPy missing, no driver, no device)."""
+    from cachedarrays.devices import gpu
+    from cachedarrays.errors import DeviceUnavailableError
+
+    if gpu.available():
+        return
+    try:
+        gpu.cupy()
+    except DeviceUnavailableError as e:
+        raise SystemExit(f"error: --device gpu: {e}") from None
+    raise SystemExit("error: --device gpu: no GPU is usable here")
+
+
+def make_manager(capacity: int, host_bytes: int):
+    """``Manager(GPU(capacity), DRAM(host_bytes))``: tables' home in page-locked host DRAM, HBM above it."""
+    from cachedarrays import DRAM, LRUPolicy, Manager
+    from cachedarrays.devices.gpu import GPU
+
+    return Manager(GPU(capacity), DRAM(host_bytes), policy=LRUPolicy())
+
+
+# Where the GPU CachedEmbeddings and its prefetch may be exported (the first that has both wins).
+_CACHE_MODULES = ("embeddings.gpu.cached", "embeddings.gpu", "embeddings")
+
+
+@cache
+def cache_api() -> tuple[type, Any] | None:
+    """``(CachedEmbeddings class for a GPU manager, prefetch)``, or None where this build has none."""
+    for name in _CACHE_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        cls, fn = getattr(mod, "CachedEmbeddings", None), getattr(mod, "prefetch", None)
+        if cls is not None and callable(fn) and getattr(cls, "__module__", "").startswith("embeddings.gpu"):
+            return cls, fn
+    return None
+
+
+def require_cache_api(policy: str) -> tuple[type, Any]:
+    api = cache_api()
+    if api is None:
+        raise SystemExit(f"error: --device gpu --policy {policy} needs the GPU CachedEmbeddings, which this "
+                         f"build lacks; use --policy dram (tables in HBM)")
+    return api
+
+
+def prefetch_next(tables: Sequence[Any], indices: Sequence[Any]) -> None:
+    """Start bringing the rows of the next batch (``indices[t]``, flat) into every cached GPU table."""
+    api = cache_api()
+    if api is None:
+        return
+    cls, fn = api
+    for t, idx in zip(tables, indices):
+        if isinstance(t, cls):
+            fn(t, idx)
+
+
+def cache_fraction_for(budget: int, policy: str, sizes: Sequence[int], featuresize: int) -> float:
+    """The largest cache fraction whose cache rows and per-row entries (:func:`hbm_need`) fit in
+    ``budget`` bytes beside :data:`SLACK`: how much of the tables a budget can cache."""
+    rows = sum(int(n) for n in sizes)
+    spare = budget - SLACK - hbm_need(policy, sizes, featuresize, [0] * len(sizes))
+    if spare <= 0:
+        return 0.0
+    return min(1.0, spare / (rows * featuresize * 4))
