@@ -48,9 +48,14 @@ def test_rows_aligned_means_row_offsets_of_a_table_on_a_line(F, itemsize, shift,
     assert rows_aligned(aligned_copy(a))
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, ml_dtypes.bfloat16])
-@pytest.mark.parametrize("F", [1, 4, 8, 16, 24, 33, 64, 256])
-@pytest.mark.parametrize("threads", [1, 2])
+DTYPES = [np.float32, np.float64, np.float16, ml_dtypes.bfloat16]
+SIZES = [1, 4, 8, 16, 24, 33, 64, 256]
+# Every (size, dtype) once; the thread count alternates like a checkerboard, so each size and each
+# dtype runs both the serial and the parallel kernels without compiling all 64 combinations.
+CASES = [(F, dt, 1 + (i + j) % 2) for i, F in enumerate(SIZES) for j, dt in enumerate(DTYPES)]
+
+
+@pytest.mark.parametrize(("F", "dtype", "threads"), CASES)
 def test_unaligned_table_gets_aligned_rows_and_the_same_results(F, dtype, threads):
     """16 bytes off a line (where numpy puts large arrays): the table copies the rows onto lines
     unless they are placed as well already (16-byte rows); lookups and updates match a table kept
