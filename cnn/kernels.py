@@ -211,3 +211,21 @@ def sgd_momentum_step(w, g, v, lr, mu):
     """(w', v') with v' = mu v + g and w' = w - lr v' (PyTorch's formulation)."""
     v = mu * v + g
     return w - lr * v, v
+
+
+@jax.jit
+def sgd_steps(*xs):
+    """`sgd_step` on n parameters in one dispatch: ``xs`` is (w1..wn, g1..gn, lr); returns (w1'..wn')."""
+    *arrays, lr = xs
+    n = len(arrays) // 2
+    return tuple(sgd_step(w, g, lr) for w, g in zip(arrays[:n], arrays[n:]))
+
+
+@jax.jit
+def sgd_momentum_steps(*xs):
+    """`sgd_momentum_step` on n parameters in one dispatch (a per-kernel host cost paid once for many
+    small tensors): ``xs`` is (w1..wn, g1..gn, v1..vn, lr, mu); returns (w1'..wn', v1'..vn')."""
+    *arrays, lr, mu = xs
+    n = len(arrays) // 3
+    outs = [sgd_momentum_step(w, g, v, lr, mu) for w, g, v in zip(arrays[:n], arrays[n:2 * n], arrays[2 * n:])]
+    return tuple(w for w, _ in outs) + tuple(v for _, v in outs)
