@@ -86,6 +86,27 @@ def bn_bwd(dy, x, gamma, mean, rstd):
     return dx, dgamma, dbeta
 
 
+# ---------------------------------------------------------------- batch norm then ReLU, and residual add then ReLU
+@jax.jit
+def bn_relu_fwd(x, gamma, beta):
+    """(relu(bn(x)), mean, rstd): the batch norm's output never leaves the kernel."""
+    y, mean, rstd = bn_fwd(x, gamma, beta)
+    return jnp.maximum(y, 0), mean, rstd
+
+
+@jax.jit
+def bn_relu_bwd(dy, x, gamma, beta, mean, rstd):
+    """(dx, dgamma, dbeta) through the ReLU and the batch norm; the ReLU's mask is recomputed from the
+    saved input and statistics (element-wise), so the kernel reads two activations, as `bn_bwd` does."""
+    mask = _bn_apply(x, gamma, beta, mean, rstd) > 0
+    return bn_bwd(jnp.where(mask, dy, 0), x, gamma, mean, rstd)
+
+
+@jax.jit
+def add_relu_fwd(a, b):
+    return jnp.maximum(a + b, 0)
+
+
 # ---------------------------------------------------------------- batch norm, ReLU and convolution, recomputed
 def _bn_apply(x, gamma, beta, mean, rstd):
     return (x - mean) * (rstd * gamma) + beta  # bn_fwd's output, operation for operation
