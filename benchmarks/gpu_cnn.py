@@ -37,6 +37,7 @@ keeps what it measured.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import statistics
 import sys
 import time
@@ -110,6 +111,8 @@ def run_ours(cfg, fp, mode: str, budget: int | None, steps: int, warmup: int, pm
     except Exception as e:
         s.m.close()
         return {"error": f"{type(e).__name__}: {e}"}
+    stats = s.trainer.ex.stats  # the last step's kernels
+    kernels, host = stats.calls, stats.seconds
     run = s.close()
     steady = run.records[warmup:]
     med = lambda f: statistics.median(f(r) for r in steady)  # noqa: E731
@@ -120,7 +123,8 @@ def run_ours(cfg, fp, mode: str, budget: int | None, steps: int, warmup: int, pm
             "exposed": med(lambda r: r.exposed_movement_seconds), "coverage": last.coverage,
             "accuracy": last.prefetch_accuracy, "peak": max(r.peak_fast_bytes for r in steady),
             "capacity": last.fast_capacity, "losses": [r.loss for r in run.records],
-            "policy_report": run.policy_report}
+            "policy_report": run.policy_report, "kernels": kernels,
+            "host_seconds_per_kernel": host / kernels if kernels else None}
 
 
 def run_jax(cfg, variant: str, steps: int, warmup: int) -> dict:
@@ -253,8 +257,12 @@ def main(argv=None) -> int:
             if "error" in rows[row]:
                 print(f"  {row}: {rows[row]['error']}", flush=True)
                 return
+            gc.collect()  # the row's GPU heap goes once nothing aliases it, before the next row allocates
             base = rows.get("whole-jit", {}).get("seconds")
-            print("  " + " | ".join(table_row(row, rows[row], base, link)), flush=True)
+            r = rows[row]
+            extra = (f" | {r['kernels']} kernels a step, {1e3 * r['host_seconds_per_kernel']:.3f} ms of host time "
+                     f"each (dispatch to release)" if r.get("kernels") else "")
+            print("  " + " | ".join(table_row(row, r, base, link)) + extra, flush=True)
 
         budgets = {ratio: -(-fp.footprint // ratio // 4096) * 4096 for ratio in ratios}
         run = {"model": name, "config": dataclasses.asdict(cfg), "footprint": dataclasses.asdict(fp),

@@ -79,7 +79,11 @@ class Executor:
     def __post_init__(self):
         self.gpu = self.manager.fast.memory_space != "host"
         self._device = None
-        self._keep: collections.deque = collections.deque()  # (event, values) until the GPU copied them
+        self._keep: collections.deque = collections.deque()  # (event, value, import, bytes) until copied
+        self._keep_bytes = 0
+        # outputs whose copies are still queued live in JAX's memory, outside the budget: the host may
+        # run this far ahead of the GPU before it waits for the oldest copy
+        self.ahead_bytes = max(256 << 20, self.manager.fast.capacity // 4)
         self._imported: dict = {}  # id(JAX output) -> its CuPy import, from the kernel's use record
         self._fresh: dict = {}  # object id -> the JAX value the last kernel stored into it (see `run`)
 
@@ -190,9 +194,12 @@ class Executor:
         if use is None:
             return
         keep = self._keep
-        keep.append((use.cuda_event, value, src))  # the release's use record marks the copy's end too
-        while keep and keep[0][0].done:
-            keep.popleft()
+        keep.append((use.cuda_event, value, src, w.nbytes))  # the release's use record marks the copy's end too
+        self._keep_bytes += w.nbytes
+        while keep and (keep[0][0].done or self._keep_bytes > self.ahead_bytes):
+            event, _, _, nbytes = keep.popleft()
+            event.synchronize()
+            self._keep_bytes -= nbytes
 
     def call(self, kernel: Callable, inputs: Sequence[CachedArray], *args: Any, **static: Any) -> tuple[CachedArray, ...]:
         """`run` then `store` every output: the outputs as CachedArrays, always a tuple."""
@@ -210,4 +217,5 @@ class Executor:
             import cupy as cp
             cp.cuda.Device(self.manager.fast.index).synchronize()
             self._keep.clear()
+            self._keep_bytes = 0
         self._fresh.clear()
