@@ -23,6 +23,7 @@ Element indexing and ``np.asarray`` of a GPU-resident array copy to the host.
 from __future__ import annotations
 
 import enum
+import math
 import warnings
 import weakref
 from typing import Any
@@ -115,7 +116,7 @@ class CachedArray(NDArrayOperatorsMixin):
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -318,6 +319,40 @@ class CachedArray(NDArrayOperatorsMixin):
 
 
 _JAX_DEVICES: dict = {}
+_JAX_VIEWS: "weakref.WeakKeyDictionary[Manager, weakref.WeakKeyDictionary]" = weakref.WeakKeyDictionary()
+
+
+def jax_array(view: CachedArray):
+    """A zero-copy JAX array of a `readable` (or `writable`) view's bytes, for a kernel to read while
+    the view is held; on a GPU, releasing the view records JAX's use of the region.
+
+    Importing through DLPack costs host time on every call (the stream handshake and CuPy's and
+    JAX's wrappers), so the JAX array of a region is kept and handed out again while the region is
+    still the object's primary at the same offset and `Manager.settled` says that no copy or use a
+    reader must be ordered after is in flight; otherwise, and the first time, the view is imported
+    as ``jax.dlpack.from_dlpack(view)`` does.  Only arrays that alias the region's own bytes are
+    kept (never a copy, which a later write would make stale); they are dropped when the manager
+    closes.  The manager's API is all this uses: which region is primary, and whether it is settled.
+    """
+    if view._status is Status.NotBusy or view._released:
+        raise StatusError("jax_array needs a held readable(x) or writable(x) view")
+    m = view.manager
+    region = m.primary(view.object)
+    views = _JAX_VIEWS.get(m)
+    entry = None if views is None else views.get(region)
+    if (entry is not None and entry[0] == region.offset and entry[1] == view.shape and entry[2] == view.dtype
+            and m.settled(region)):
+        if region.device.memory_space != "host":
+            view._gpu_consumers.add(_jax_device(region.device.index))
+        return entry[3]
+    import jax
+    arr = jax.dlpack.from_dlpack(view)
+    if view.nbytes and arr.unsafe_buffer_pointer() == region.device.address(region.offset):
+        if views is None:
+            views = _JAX_VIEWS[m] = weakref.WeakKeyDictionary()
+            m.add_hooks(close=views.clear)
+        views[region] = (region.offset, view.shape, view.dtype, arr)
+    return arr
 
 
 def _jax_device(index: int):
@@ -327,6 +362,23 @@ def _jax_device(index: int):
         _JAX_DEVICES[index] = next((d for d in jax.devices() if d.platform == "gpu"
                                     and getattr(d, "local_hardware_id", d.id) == index), None)
     return _JAX_DEVICES[index]
+
+
+def device_pointer(view: CachedArray, stream=None) -> int:
+    """The device address of a GPU-resident `writable` (or `readable`) view's bytes, for raw CUDA
+    calls (``cudaMemcpyAsync``) that skip CuPy's array wrappers: ``stream`` (default CuPy's current)
+    is ordered after the region's copies and uses as for ``view.array``, and releasing the view
+    records CuPy's use.  Raises for a view whose bytes are in host memory."""
+    if view._status is Status.NotBusy or view._released:
+        raise StatusError("device_pointer needs a held readable(x) or writable(x) view")
+    region = view.manager.primary(view.object)
+    if region.device.memory_space == "host":
+        raise ValueError(f"{view!r} is in host memory; use view.array")
+    from .devices.gpu import cupy
+    view.manager.ready_on(region, cupy().cuda.get_current_stream() if stream is None else stream,
+                          view._status is Status.ReadWrite)
+    view._gpu_consumers.add("cupy")
+    return region.device.address(region.offset)
 
 
 def assign_into(target, value, key=Ellipsis) -> None:

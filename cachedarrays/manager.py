@@ -454,6 +454,21 @@ class Manager:
         wait_on_stream([w for w in (fill, *_waits(region, write)) if w is not None and not w.done()], stream, mark)
         self._raise_if_failed(fill, record)
 
+    def settled(self, region: Region, write: bool = False) -> bool:
+        """Whether ``region`` can be read (or, with ``write``, written) now without any wait: it is
+        live, its fill is done without error, and no use it would wait for (see `ready`) is in
+        flight.  A consumer that keeps a view of the region's bytes may reuse it while this holds,
+        instead of ordering itself after the region's copies again."""
+        if region.freed:
+            return False
+        fill = region.fill
+        if fill is not None and (not fill.done() or fill.error is not None):
+            return False
+        owner = region.owner
+        if owner is not None and owner.error is not None:
+            return False
+        return all(w.done() for w in _waits(region, write))
+
     def add_use(self, region: Region, use: Waitable) -> None:
         """Record that a consumer (e.g. a GPU kernel) still uses ``region``'s bytes until ``use`` is done."""
         with self._locked():
@@ -672,6 +687,8 @@ class Manager:
             finally:
                 self.closed = True
                 self.engine.close()
+                for hook in self._close_hooks:  # views a layer above keeps of the devices' bytes
+                    hook()
                 if any(dev.memory_space != "host" for dev in self.levels):
                     from .devices.gpu import pageunlock
                     for dev in self.levels:
@@ -689,19 +706,22 @@ class Manager:
     _dirty_hooks: tuple = ()
     _free_hooks: tuple = ()
     _persist_hooks: tuple = ()
+    _close_hooks: tuple = ()
 
     def add_hooks(self, *, dirty: Callable[[Region], None] | None = None,
                   free: Callable[[Object], None] | None = None,
-                  persist: Callable[[], object] | None = None) -> None:
+                  persist: Callable[[], object] | None = None, close: Callable[[], None] | None = None) -> None:
         """Register callbacks of a layer above the manager (a persistent pool, `cachedarrays.pool`).
 
         ``dirty(region)`` runs inside `mark_dirty`, before the dirty bit is set and so before the
         caller writes (a pool moves a durable copy out of the way there); ``free(obj)`` runs before
-        `free` releases an object and may refuse by raising; ``persist()`` runs in `persist`.
+        `free` releases an object and may refuse by raising; ``persist()`` runs in `persist`;
+        ``close()`` runs in `close` before the devices close (a layer drops views it keeps there).
         The manager decides nothing with them.
         """
         with self._locked():
-            for attr, fn in (("_dirty_hooks", dirty), ("_free_hooks", free), ("_persist_hooks", persist)):
+            for attr, fn in (("_dirty_hooks", dirty), ("_free_hooks", free), ("_persist_hooks", persist),
+                             ("_close_hooks", close)):
                 if fn is not None:
                     setattr(self, attr, getattr(self, attr) + (fn,))
 

@@ -1,9 +1,9 @@
 """The kernel programming model: hand CachedArrays to a jitted kernel zero-copy, store its outputs through the policy.
 
 `Executor.call` takes ``readable`` views of the input CachedArrays (telling the
-policy of the use and pinning them), imports them into JAX with
-``jax.dlpack.from_dlpack`` (zero-copy: regions are 64-byte aligned and
-C-contiguous), dispatches the kernel, releases the views, and only then copies each
+policy of the use and pinning them), hands them to JAX with `cachedarrays.jax_array`
+(zero-copy: regions are 64-byte aligned and C-contiguous; a region's JAX array is
+imported once and reused while it stays put), dispatches the kernel, releases the views, and only then copies each
 output into a new CachedArray allocated through the policy.  Releasing the
 inputs before the outputs are allocated means a kernel needs room in fast
 memory for its inputs, or for one output, never for both at once.
@@ -14,10 +14,15 @@ GPU for copies into its inputs), one use record (`release_together`: an event
 after CuPy's stream waited for the kernel's outputs) keeps the inputs' regions
 from being moved or reused before the kernel has read them, and
 each output is copied device to device into the region the policy chose
-(`cachedarrays.assign`'s path, without its host wait: the JAX value is kept
-alive until its copy is done instead).  An output the policy placed in host
+(one ``cudaMemcpyAsync`` on CuPy's stream, after the DLPack handshake with JAX's; no
+host wait: the JAX value is kept alive until its copy is done instead).  An output the policy placed in host
 memory is copied there (that one waits).  The use records double as the device
 clock of learned prefetch (`timeline`).
+
+The next kernel reads an output of the previous one from the JAX value the
+previous kernel returned (kept until then; the same bytes as its region, as
+nothing but the executor writes an object between two kernels), so the common
+chain of one layer feeding the next costs no import and no cross-stream wait.
 
 The executor also counts where the kernels' operands lived (fast or slow) when
 they were touched, because a kernel reading or writing the slow device directly
@@ -34,7 +39,9 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from cachedarrays import CachedArray, Manager, readable, release_together, writable
+from cachedarrays import CachedArray, Manager, device_pointer, jax_array, readable, release_together, writable
+
+_D2D = 3  # cudaMemcpyDeviceToDevice
 
 
 @dataclass
@@ -72,8 +79,13 @@ class Executor:
     def __post_init__(self):
         self.gpu = self.manager.fast.memory_space != "host"
         self._device = None
-        self._keep: collections.deque = collections.deque()  # (event, values) until the GPU copied them
+        self._keep: collections.deque = collections.deque()  # (event, value, import, bytes) until copied
+        self._keep_bytes = 0
+        # outputs whose copies are still queued live in JAX's memory, outside the budget: the host may
+        # run this far ahead of the GPU before it waits for the oldest copy
+        self.ahead_bytes = max(256 << 20, self.manager.fast.capacity // 4)
         self._imported: dict = {}  # id(JAX output) -> its CuPy import, from the kernel's use record
+        self._fresh: dict = {}  # object id -> the JAX value the last kernel stored into it (see `run`)
 
     def _where(self, x: CachedArray) -> bool:
         return x.policy.in_fast(x.object)
@@ -88,7 +100,7 @@ class Executor:
             # a host-resident input of a GPU kernel (a policy that leaves misses where they are):
             # JAX gets its own copy of the bytes, which stay valid after the view is released
             return jax.device_put(np.array(view.array), self._gpu_device())
-        return jax.dlpack.from_dlpack(view)
+        return jax_array(view)
 
     def _gpu_device(self):
         if self._device is None:
@@ -103,18 +115,18 @@ class Executor:
         t0 = time.perf_counter()
         views = [readable(x) for x in inputs]
         try:
-            seen = set()
-            nbytes = 0
-            for v in views:
-                if v.object.id in seen:
-                    continue
-                seen.add(v.object.id)
+            nbytes = fast = 0
+            for v in {v.object.id: v for v in views}.values():
                 nbytes += v.nbytes
                 if self._where(v):
-                    self.stats.read_fast += v.nbytes
-                else:
-                    self.stats.read_slow += v.nbytes
-            jx = [self._jax_input(v) for v in views]
+                    fast += v.nbytes
+            self.stats.read_fast += fast
+            self.stats.read_slow += nbytes - fast
+            # an output of the previous kernel is read from its JAX value, which holds the same bytes:
+            # no import of the region, and on a GPU no wait for its store (JAX orders its own work)
+            fresh, self._fresh = self._fresh, {}
+            jx = [fresh[v.object.id] if v.object.id in fresh else self._jax_input(v) for v in views]
+            del fresh
             out = kernel(*jx, *args, **static)
             if not self.gpu:
                 out = jax.block_until_ready(out)
@@ -144,34 +156,50 @@ class Executor:
         """Copy a kernel output into a new CachedArray placed by the policy."""
         y = CachedArray(tuple(value.shape), self.manager, np.dtype(value.dtype))
         self.copy_into(y, value)
+        self._fresh[y.object.id] = value
         return y
 
     def copy_into(self, y: CachedArray, value) -> None:
         """Overwrite ``y`` with ``value`` (a write use: the policy marks it dirty)."""
-        with writable(y) as dst:
+        self._fresh.pop(y.object.id, None)
+        if value.size != y.size or np.dtype(value.dtype) != y.dtype:
+            raise ValueError(f"a kernel output of shape {tuple(value.shape)} and dtype {value.dtype} cannot be "
+                             f"stored into an array of shape {y.shape} and dtype {y.dtype}")
+        w = writable(y)
+        try:
             if self._where(y):
                 self.stats.written_fast += y.nbytes
             else:
                 self.stats.written_slow += y.nbytes
-            if isinstance(dst, np.ndarray):
-                np.copyto(dst, np.asarray(value).reshape(dst.shape), casting="no")
-            else:
-                self._device_copy(dst, value)
+            if self.gpu and self.manager.primary(y.object).device.memory_space != "host":
+                self._device_copy(w, value)
+                return
+            dst = w.array
+            np.copyto(dst, np.asarray(value).reshape(dst.shape), casting="no")
+        finally:
+            w.release()
 
-    def _device_copy(self, dst, value) -> None:
-        """``dst[...] = value`` on the GPU; ``value`` stays referenced until the copy has read it
-        (its owner, JAX, would reuse the bytes at once, without waiting for our stream)."""
+    def _device_copy(self, w: CachedArray, value) -> None:
+        """Copy ``value`` into the held GPU view ``w`` (one ``cudaMemcpyAsync`` on CuPy's stream) and
+        release it; ``value`` stays referenced until the copy has read it (its owner, JAX, would
+        reuse the bytes at once, without waiting for our stream)."""
         import cupy as cp
         src = self._imported.pop(id(value), None)
         if src is None:
             src = cp.from_dlpack(value)  # the current stream waits for the kernel that makes it
-        dst[...] = src.reshape(dst.shape)
-        event = cp.cuda.Event(disable_timing=True)
-        event.record()
+        stream = cp.cuda.get_current_stream()
+        if w.nbytes:
+            cp.cuda.runtime.memcpyAsync(device_pointer(w, stream), src.data.ptr, w.nbytes, _D2D, stream.ptr)
+        (use,) = release_together([w]) or (None,)
+        if use is None:
+            return
         keep = self._keep
-        keep.append((event, value, src))
-        while keep and keep[0][0].done:
-            keep.popleft()
+        keep.append((use.cuda_event, value, src, w.nbytes))  # the release's use record marks the copy's end too
+        self._keep_bytes += w.nbytes
+        while keep and (keep[0][0].done or self._keep_bytes > self.ahead_bytes):
+            event, _, _, nbytes = keep.popleft()
+            event.synchronize()
+            self._keep_bytes -= nbytes
 
     def call(self, kernel: Callable, inputs: Sequence[CachedArray], *args: Any, **static: Any) -> tuple[CachedArray, ...]:
         """`run` then `store` every output: the outputs as CachedArrays, always a tuple."""
@@ -189,3 +217,5 @@ class Executor:
             import cupy as cp
             cp.cuda.Device(self.manager.fast.index).synchronize()
             self._keep.clear()
+            self._keep_bytes = 0
+        self._fresh.clear()

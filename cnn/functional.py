@@ -32,7 +32,8 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from . import kernels as K
-from .layers import (Add, AvgPool, BatchNorm, BNReLUConv, Concat, Conv2D, Dense, GlobalAvgPool, Layer, MaxPool,
+from .layers import (Add, AddReLU, AvgPool, BatchNorm, BNReLU, BNReLUConv, Concat, Conv2D, Dense, GlobalAvgPool,
+                     Layer, MaxPool,
                      ReLU, SoftmaxCrossEntropy)
 from .models import Model
 
@@ -47,6 +48,10 @@ def apply(layer: Layer, params: tuple, xs: list):
         return K.bn_relu_conv_fwd(xs[0], *params, stride=layer.conv.stride, pad=layer.conv.pad)[0]
     if isinstance(layer, Dense):
         return K.dense_fwd(xs[0], *params)
+    if isinstance(layer, BNReLU):
+        return K.bn_relu_fwd(xs[0], *params)[0]
+    if isinstance(layer, AddReLU):
+        return K.add_relu_fwd(*xs)
     if isinstance(layer, BatchNorm):
         return K.bn_fwd(xs[0], *params)[0]
     if isinstance(layer, ReLU):
@@ -93,8 +98,9 @@ class FunctionalTape:
         return y if self.name is None else checkpoint_name(y, self.name)
 
     def _params(self, layer: Layer) -> tuple:
-        if isinstance(layer, BNReLUConv):  # wraps layers of the model, whose weights it uses
-            return self.weights[id(layer.bn)] + self.weights[id(layer.conv)]
+        parts = getattr(layer, "parts", None)  # a fused layer wraps layers of the model, whose weights it uses
+        if parts is not None:
+            return sum((self.weights[id(part)] for part in parts), ())
         return self.weights[id(layer)]
 
     @staticmethod

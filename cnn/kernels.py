@@ -86,6 +86,27 @@ def bn_bwd(dy, x, gamma, mean, rstd):
     return dx, dgamma, dbeta
 
 
+# ---------------------------------------------------------------- batch norm then ReLU, and residual add then ReLU
+@jax.jit
+def bn_relu_fwd(x, gamma, beta):
+    """(relu(bn(x)), mean, rstd): the batch norm's output never leaves the kernel."""
+    y, mean, rstd = bn_fwd(x, gamma, beta)
+    return jnp.maximum(y, 0), mean, rstd
+
+
+@jax.jit
+def bn_relu_bwd(dy, x, gamma, beta, mean, rstd):
+    """(dx, dgamma, dbeta) through the ReLU and the batch norm; the ReLU's mask is recomputed from the
+    saved input and statistics (element-wise), so the kernel reads two activations, as `bn_bwd` does."""
+    mask = _bn_apply(x, gamma, beta, mean, rstd) > 0
+    return bn_bwd(jnp.where(mask, dy, 0), x, gamma, mean, rstd)
+
+
+@jax.jit
+def add_relu_fwd(a, b):
+    return jnp.maximum(a + b, 0)
+
+
 # ---------------------------------------------------------------- batch norm, ReLU and convolution, recomputed
 def _bn_apply(x, gamma, beta, mean, rstd):
     return (x - mean) * (rstd * gamma) + beta  # bn_fwd's output, operation for operation
@@ -211,3 +232,21 @@ def sgd_momentum_step(w, g, v, lr, mu):
     """(w', v') with v' = mu v + g and w' = w - lr v' (PyTorch's formulation)."""
     v = mu * v + g
     return w - lr * v, v
+
+
+@jax.jit
+def sgd_steps(*xs):
+    """`sgd_step` on n parameters in one dispatch: ``xs`` is (w1..wn, g1..gn, lr); returns (w1'..wn')."""
+    *arrays, lr = xs
+    n = len(arrays) // 2
+    return tuple(sgd_step(w, g, lr) for w, g in zip(arrays[:n], arrays[n:]))
+
+
+@jax.jit
+def sgd_momentum_steps(*xs):
+    """`sgd_momentum_step` on n parameters in one dispatch (a per-kernel host cost paid once for many
+    small tensors): ``xs`` is (w1..wn, g1..gn, v1..vn, lr, mu); returns (w1'..wn', v1'..vn')."""
+    *arrays, lr, mu = xs
+    n = len(arrays) // 3
+    outs = [sgd_momentum_step(w, g, v, lr, mu) for w, g, v in zip(arrays[:n], arrays[n:2 * n], arrays[2 * n:])]
+    return tuple(w for w, _ in outs) + tuple(v for _, v in outs)

@@ -104,6 +104,44 @@ class BatchNorm(Layer):
         return (dx,), (dgamma, dbeta)
 
 
+class BNReLU(Layer):
+    """A batch norm and the ReLU after it as one layer, one kernel each way: the batch norm's output,
+    which only the ReLU reads, is never stored (a per-kernel host cost and a store saved, as whole-jit
+    XLA fuses them too).  Saves the input and the statistics; backward recomputes the ReLU's mask
+    from them.  Wraps the existing batch norm and its parameters."""
+
+    def __init__(self, bn: "BatchNorm"):
+        self.bn = bn
+        self.parts = (bn,)
+        self.params = bn.params
+        self.name = f"{bn.name}+relu"
+
+    def forward(self, ex, x):
+        y, mean, rstd = ex.call(K.bn_relu_fwd, (x, *self.params))
+        return y, (x, mean, rstd)
+
+    def backward(self, ex, dy, saved, need):
+        x, mean, rstd = saved
+        dx, dgamma, dbeta = ex.call(K.bn_relu_bwd, (dy, x, *self.params, mean, rstd))
+        return (dx,), (dgamma, dbeta)
+
+
+class AddReLU(Layer):
+    """A residual addition and the ReLU after it as one layer (saves its output, the mask); both
+    inputs get the same gradient object."""
+
+    name = "add+relu"
+    parts = ()
+
+    def forward(self, ex, a, b):
+        (y,) = ex.call(K.add_relu_fwd, (a, b))
+        return y, (y,)
+
+    def backward(self, ex, dy, saved, need):
+        (dx,) = ex.call(K.relu_bwd, (dy, saved[0]))
+        return (dx, dx), ()
+
+
 class BNReLUConv(Layer):
     """A batch norm, a ReLU and the convolution after them as one layer that keeps only the batch
     norm's input and statistics for backward: the normalised activations (the ReLU output every
@@ -112,6 +150,7 @@ class BNReLUConv(Layer):
 
     def __init__(self, bn: "BatchNorm", conv: "Conv2D"):
         self.bn, self.conv = bn, conv
+        self.parts = (bn, conv)
         self.params = bn.params + conv.params
         self.name = f"{bn.name}+relu+{conv.name}"
 
@@ -134,6 +173,19 @@ def fuse_recomputed(seq: Sequence[Layer]) -> list[Layer]:
                 and isinstance(seq[i + 2], Conv2D)):
             out.append(BNReLUConv(seq[i], seq[i + 2]))
             i += 3
+        else:
+            out.append(seq[i])
+            i += 1
+    return out
+
+
+def fuse_bn_relu(seq: Sequence[Layer]) -> list[Layer]:
+    """``seq`` with every batch norm directly followed by a ReLU replaced by one `BNReLU`."""
+    out, i = [], 0
+    while i < len(seq):
+        if i + 1 < len(seq) and isinstance(seq[i], BatchNorm) and isinstance(seq[i + 1], ReLU):
+            out.append(BNReLU(seq[i]))
+            i += 2
         else:
             out.append(seq[i])
             i += 1

@@ -10,9 +10,11 @@ much deeper); ResNet ``depth`` = 3 per bottleneck block + 2 (ResNet 50: blocks
 [3, 4, 6, 3]); DenseNet ``depth`` = 2 per dense layer + 5 (DenseNet 121: blocks
 [6, 12, 24, 16]).  Other depths split the blocks in those proportions.  Activations are NHWC float32.
 
-``recompute=True`` wires every batch norm, ReLU, convolution run as one `layers.BNReLUConv`, which
-recomputes the normalised activations in backward instead of keeping them (same weights, same
-initialisation; the layer list, and so the parameters, are unchanged).
+Every batch norm followed by a ReLU is wired as one `layers.BNReLU`, and every residual addition
+followed by a ReLU as one `layers.AddReLU`: one kernel each way instead of two, as XLA fuses them
+in a whole-jitted step.  ``recompute=True`` wires every batch norm, ReLU, convolution run as one
+`layers.BNReLUConv`, which recomputes the normalised activations in backward instead of keeping them.
+Neither changes the weights or their initialisation: the layer list, and so the parameters, stay.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ import numpy as np
 from cachedarrays import CachedArray, Manager
 
 from .graph import Tape
-from .layers import (Add, AvgPool, BatchNorm, Concat, Conv2D, Dense, GlobalAvgPool, Layer, MaxPool, ReLU,
-                     fuse_recomputed)
+from .layers import (AddReLU, AvgPool, BatchNorm, Concat, Conv2D, Dense, GlobalAvgPool, Layer, MaxPool, ReLU,
+                     fuse_bn_relu, fuse_recomputed)
 
 RESNET_BLOCKS = {50: [3, 4, 6, 3], 101: [3, 4, 23, 3], 152: [3, 8, 36, 3], 200: [3, 24, 36, 3]}
 DENSENET_BLOCKS = {121: [6, 12, 24, 16], 169: [6, 12, 32, 32], 201: [6, 12, 48, 32], 264: [6, 12, 64, 48]}
@@ -87,8 +89,9 @@ def _proportional(n: int, weights: list[int]) -> list[int]:
 
 
 def _fused(seq: list[Layer], recompute: bool) -> list[Layer]:
-    """``seq`` as wired: batch norm, ReLU, convolution runs as one recomputing layer with ``recompute``."""
-    return fuse_recomputed(seq) if recompute else seq
+    """``seq`` as wired: batch norm, ReLU, convolution runs as one recomputing layer with ``recompute``,
+    then batch norm, ReLU pairs as one layer."""
+    return fuse_bn_relu(fuse_recomputed(seq) if recompute else seq)
 
 
 def _stages_for(image: int, wanted: int) -> int:
@@ -167,7 +170,7 @@ def resnet(m: Manager, depth: int = 50, width: int = 16, image: int = 32, classe
             raise ValueError(f"ResNet depth must be 3 * blocks + 2 (e.g. 11, 14, 50, 101), got {depth}")
         blocks = _proportional((depth - 2) // 3, [3, 4, 6, 3])
     b = _Builder(m, seed)
-    stem = (b.conv(in_channels, width, name="stem"), b.bn(width, name="stem.bn"), b.new(ReLU()))
+    stem = _fused([b.conv(in_channels, width, name="stem"), b.bn(width, name="stem.bn"), b.new(ReLU())], recompute)
     stem_pool = b.new(MaxPool(2)) if image >= 64 else None
     spatial = image // 2 if stem_pool else image
     cin = width
@@ -183,7 +186,7 @@ def resnet(m: Manager, depth: int = 50, width: int = 16, image: int = 32, classe
             short = None
             if stride != 1 or cin != 4 * mid:
                 short = [b.conv(cin, 4 * mid, 1, stride, name=f"b{s}.{j}.proj"), b.bn(4 * mid)]
-            plan.append((_fused(main, recompute), short, b.new(Add()), b.new(ReLU())))
+            plan.append((_fused(main, recompute), short, b.new(AddReLU())))
             cin = 4 * mid
     head = (b.new(GlobalAvgPool()), b.dense(cin, classes, "fc"))
 
@@ -192,7 +195,7 @@ def resnet(m: Manager, depth: int = 50, width: int = 16, image: int = 32, classe
             x = tape(layer, x)
         if stem_pool is not None:
             x = tape(stem_pool, x)
-        for main, short, add, relu in plan:
+        for main, short, add_relu in plan:
             with tape.scope():
                 h = x
                 for layer in main:
@@ -200,7 +203,7 @@ def resnet(m: Manager, depth: int = 50, width: int = 16, image: int = 32, classe
                 s = x
                 for layer in short or ():
                     s = tape(layer, s)
-                x = tape(relu, tape(add, h, s))
+                x = tape(add_relu, h, s)
         for layer in head:
             x = tape(layer, x)
         return x
@@ -241,7 +244,7 @@ def densenet(m: Manager, depth: int = 121, width: int = 8, image: int = 32, clas
             spatial = spatial // 2 if pool else spatial
             c = cout
         plan.append((layers, concat, transition))
-    head = (b.bn(c), b.new(ReLU()), b.new(GlobalAvgPool()), b.dense(c, classes, "fc"))
+    head = _fused([b.bn(c), b.new(ReLU()), b.new(GlobalAvgPool()), b.dense(c, classes, "fc")], recompute)
 
     def wiring(tape: Tape, x: CachedArray) -> CachedArray:
         x = tape(stem, x)

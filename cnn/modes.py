@@ -111,13 +111,13 @@ def make_manager(mode: str, fast_bytes: int, slow_bytes: int, pm_dir: str | None
         raise
 
 
-def fast_limit(device: str) -> int | None:
-    """The largest fast level ``device`` can have now: 90% of the free GPU memory, None on the CPU."""
+def fast_limit(device: str, share: float = 0.9) -> int | None:
+    """The largest fast level ``device`` can have now: ``share`` of the free GPU memory, None on the CPU."""
     if device != "gpu":
         return None
     from cachedarrays.devices.gpu import cupy
     free, _ = cupy().cuda.runtime.memGetInfo()
-    return int(0.9 * free) // 4096 * 4096
+    return int(share * free) // 4096 * 4096
 
 
 def _check_capacity(slow: int, host: int, pm_free: int, fast_name: str, fast_bytes: int) -> None:

@@ -19,24 +19,45 @@ from .execute import Executor
 
 
 class SGD:
-    """``SGD(params, lr, momentum=0.0)``; `step` takes ``[(param, grad), ...]`` from `Tape.backward`."""
+    """``SGD(params, lr, momentum=0.0)``; `step` takes ``[(param, grad), ...]`` from `Tape.backward`.
+
+    Parameters are updated in groups, one kernel per group: consecutive parameters whose bytes
+    together stay within the largest parameter's (so no group's operands outgrow the largest
+    single update's, and the smallest workable budget stays what it was), since one dispatch
+    per tensor cost more host time than the update itself for the many small batch-norm vectors."""
 
     def __init__(self, params: Sequence[CachedArray], lr: float = 0.05, momentum: float = 0.0):
         self.lr = np.float32(lr)
         self.momentum = np.float32(momentum)
         self.state: dict[int, CachedArray] = {}
+        self.group_bytes = max((p.nbytes for p in params), default=0)
         if momentum:
             for p in params:
                 v = CachedArray(p.shape, p.manager, np.float32)
                 v[...] = 0
                 self.state[p.object.id] = v
 
+    def groups(self, pgrads: Sequence[tuple[CachedArray, CachedArray]]) -> list[list[tuple]]:
+        """``pgrads`` cut into runs of consecutive pairs of at most ``group_bytes`` parameter bytes
+        (a larger parameter alone)."""
+        out: list[list[tuple]] = []
+        size = 0
+        for pair in pgrads:
+            if not out or size + pair[0].nbytes > self.group_bytes:
+                out.append([])
+                size = 0
+            out[-1].append(pair)
+            size += pair[0].nbytes
+        return out
+
     def step(self, ex: Executor, ann: Annotations, pgrads: Sequence[tuple[CachedArray, CachedArray]]) -> None:
-        """Update every parameter from its gradient; the gradient is freed afterwards (in mode M)."""
-        for p, g in pgrads:
-            v = self.state.get(p.object.id)
-            if v is None:
-                ann.update(ex, lambda: ex.call_into(K.sgd_step, (p, g), (p,), self.lr), (p, g), g)
+        """Update every parameter from its gradient; the gradients are freed afterwards (in mode M)."""
+        for group in self.groups(pgrads):
+            ps = [p for p, _ in group]
+            gs = [g for _, g in group]
+            vs = [self.state.get(p.object.id) for p in ps]
+            if any(v is None for v in vs):
+                ann.update(ex, lambda: ex.call_into(K.sgd_steps, (*ps, *gs), ps, self.lr), (ps, gs), gs)
             else:
-                ann.update(ex, lambda: ex.call_into(K.sgd_momentum_step, (p, g, v), (p, v), self.lr, self.momentum),
-                           (p, g, v), g)
+                ann.update(ex, lambda: ex.call_into(K.sgd_momentum_steps, (*ps, *gs, *vs), (*ps, *vs), self.lr,
+                                                    self.momentum), (ps, gs, vs), gs)

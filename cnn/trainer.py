@@ -137,10 +137,12 @@ def _estimate(cfg: Config) -> int:
 def measure_footprint(cfg: Config, data: Callable[[int], tuple] | None = None, pm_dir: str | None = None) -> Footprint:
     """Run one ``dram`` iteration with a fast device that holds everything (doubled until it does).
 
-    On the GPU the fast device grows up to the free GPU memory; a model whose iteration needs more
+    On the GPU the fast device grows up to half the free GPU memory; a model whose iteration needs more
     is measured on the CPU instead (the same objects are allocated there, only slower)."""
     data = data or (lambda i: synthetic_batch(i, cfg.batch, cfg.image, cfg.channels, cfg.classes, cfg.seed))
-    limit = fast_limit(cfg.device)
+    # half the free GPU memory at most: JAX allocates the kernels' outputs (until they are stored) and
+    # temporaries outside the heap, several GiB each at large batches (they ran out beside a 90 % heap)
+    limit = fast_limit(cfg.device, 0.5)
     fast = _estimate(cfg) if limit is None else min(_estimate(cfg), limit)
     while True:
         with make_manager("dram", fast, MIN_PM, pm_dir, cfg.device) as m:
