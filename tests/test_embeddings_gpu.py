@@ -17,7 +17,7 @@ import pytest
 
 import embeddings as E
 from cachedarrays.devices import gpu as gpu_device
-from embeddings.gpu import cuda, ops
+from embeddings.gpu import cuda, ops, reference
 from embeddings.gpu.backend import ReferenceBackend
 
 F_SIZES = (8, 12, 64, 256)
@@ -94,10 +94,14 @@ def test_reference_update_matches_the_cpu_pullback(opt, device_indices):
 def test_update_plan_groups_each_rows_entries_in_batch_order():
     be = ReferenceBackend()
     idx = np.array([5, 2, 5, 9, 2, 5], np.int64)
-    keys, pbits, starts, U = ops.plan(be, idx, 10)
-    rows, pos = keys >> pbits, keys & ((1 << pbits) - 1)
-    assert U == 3 and rows[starts[:U]].tolist() == [2, 5, 9] and starts.tolist() == [0, 2, 5, 6]
-    assert pos.tolist() == [1, 4, 0, 2, 5, 3]
+    p = ops.plan(be, idx)
+    assert p.U == 3 and idx[p.perm[p.starts[:p.U]]].tolist() == [2, 5, 9] and p.starts.tolist() == [0, 2, 5, 6]
+    assert p.perm.tolist() == [1, 4, 0, 2, 5, 3] and p.NL == 0 and p.NC == 0
+    hot = np.concatenate([np.full(40, 7), np.arange(5), np.full(1100, 3)])  # rows 7 and 3 are long
+    p = ops.plan(be, hot)
+    assert p.lrow.tolist() == [3, 5] and p.NL == 2  # unique rows 0, 1, 2, 3, 4, 7
+    assert reference.chunk_len(40) == 32 and reference.chunk_len(1101) == 34 and reference.chunk_len(1156) == 34
+    assert p.lbase.tolist() == [0, -(-1101 // 34)] and p.NC == -(-1101 // 34) + 2
 
 
 @pytest.mark.parametrize("device_indices", [False, True])
@@ -144,7 +148,8 @@ def test_cuda_source_compiles_with_nvcc(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     ptx = (tmp_path / "k.ptx").read_text()
-    for name in ("pooled_v4_i32", "pooled_v1_i64", "update_v4", "update_v1", "bad_index_i32", "nonfinite_row"):
+    for name in ("pooled_v4_i32", "pooled_v1_i64", "update_short_v4_i32", "update_long_v1_i64", "chunk_sums_v4",
+                 "row_heads_i64", "long_rows", "check_i32"):
         assert f".entry {name}(" in ptx
 
 

@@ -71,12 +71,12 @@ def state_for(optimizer: Any, table: Any) -> Any:
 
 
 def prepare(table: Any, grad: Any, indices: Any, offsets: Any, mode: str | None, weights: Any,
-            optimizer: Any) -> ops.PreparedUpdate:
-    """Validate a table's update (nothing written yet)."""
+            optimizer: Any, flags: Any = None, slot: int = 0) -> ops.PreparedUpdate:
+    """Validate a table's update (nothing written yet; device checks in flight in ``flags``)."""
     if table.eltype() != np.float32:
         raise TypeError(f"{table.name}: GPU tables must be float32, not {table.eltype()}")
     return ops.prepare_pullback(cuda_backend(), table.name, table.nvectors(), table.featuresize(), grad, indices,
-                                offsets, mode=mode, weights=weights, optimizer=optimizer)
+                                offsets, mode=mode, weights=weights, optimizer=optimizer, flags=flags, slot=slot)
 
 
 def apply(table: Any, prep: ops.PreparedUpdate, optimizer: Any) -> Any:
@@ -104,26 +104,35 @@ def _per_table(T: int, indices, offsets, weights) -> tuple[list, list]:
 
 
 def ensemble_lookup(tables: list, indices, offsets, mode, weights, out: Any = None) -> Any:
-    """Every table into ``(batch, tables, featuresize)``; all batches validated before any kernel runs."""
+    """Every table into ``(batch, tables, featuresize)``. Host batches are validated before any
+    kernel runs; device batches are checked by the kernels (a new output) or before them (``out``),
+    and every table's error is raised in table order before the result is returned."""
     be = cuda_backend()
     T = len(tables)
     offsets, weights = _per_table(T, indices, offsets, weights)
-    bags = [ops.device_bags(be, t.name, t.nvectors(), i, o, w, mode)[0]
-            for t, i, o, w in zip(tables, indices, offsets, weights)]
+    flags = be.flags(3 * T)
+    fresh = out is None
+    checked = [ops.device_bags(be, t.name, t.nvectors(), i, o, w, mode, flags=flags, slot=3 * n, fused=fresh)
+               for n, (t, i, o, w) in enumerate(zip(tables, indices, offsets, weights))]
+    bags = [b for b, _, _ in checked]
+    pending = [p for _, _, p in checked]
     _same_batch([b.nout for b in bags])
     F = tables[0].featuresize()
     shape = (bags[0].nout, T, F)
-    if out is None:
+    if fresh:
         res = be.xp.empty(shape, np.float32)
     else:
         ops.check_out(be, out, shape, "ensemble")
+        ops.confirm(be, pending)
         res = out
-    for i, (t, b) in enumerate(zip(tables, bags)):
+    for i, (t, b, p) in enumerate(zip(tables, bags, pending)):
         with device_rows(t.data, write=False) as W:
             if W is None:
                 raise RuntimeError(f"{t.name}: moved off the GPU during an ensemble lookup")
             ops.check_table(t.name, W)
-            ops.run_pooled(be, res[:, i, :], W, b)
+            ops.run_pooled(be, res[:, i, :], W, b, flags if fresh and p is not None else None, 3 * i)
+    if fresh:
+        ops.confirm(be, pending)
     return res if out is not None else as_output(res)
 
 
@@ -136,9 +145,11 @@ def ensemble_pullback(tables: list, grad: Any, indices, offsets, mode, weights, 
     F = tables[0].featuresize()
     if g3.ndim != 3 or g3.shape[1:] != (T, F):
         raise ValueError(f"ensemble gradient shape {tuple(g3.shape)}, expected (batch, {T}, {F})")
-    preps = [prepare(t, g3[:, i, :], i_, o, mode, w, optimizer)
+    flags = be.flags(3 * T)
+    preps = [prepare(t, g3[:, i, :], i_, o, mode, w, optimizer, flags, 3 * i)
              for i, (t, i_, o, w) in enumerate(zip(tables, indices, offsets, weights))]
     _same_batch([p.bags.nout for p in preps])
+    ops.confirm(be, [p.pending for p in preps])
     for t, p in zip(tables, preps):
         if apply(t, p, optimizer) is NotImplemented:
             raise RuntimeError(f"{t.name}: moved off the GPU during an ensemble update")
