@@ -127,7 +127,7 @@ def device_bags(be, name: str, nvectors: int, indices: Any, offsets: Any = None,
     if idx.dtype != np.int32 and idx.dtype != np.int64:
         idx = idx.astype(np.int64)
     shape = tuple(idx.shape)
-    flat = be.xp.ascontiguousarray(idx).reshape(-1)
+    flat = idx.reshape(-1) if idx.flags.c_contiguous else be.xp.ascontiguousarray(idx).reshape(-1)
     if off is not None:
         off = be.xp.ascontiguousarray(off.astype(np.int64, copy=False))
         k = 0

@@ -56,6 +56,9 @@ def as_output(out: Any) -> Any:
 def lookup(table: Any, indices: Any, offsets: Any, mode: str | None, weights: Any, out: Any = None) -> Any:
     """``lookup`` / ``lookup_into`` of a SimpleEmbedding on a GPU (``NotImplemented``: on the host now)."""
     be = cuda_backend()
+    if type(table.data) is be.xp.ndarray:  # nothing to pin: the common case without a context manager
+        result = ops.lookup(be, table.name, table.data, indices, offsets, mode=mode, weights=weights, out=out)
+        return result if out is not None else as_output(result)
     with device_rows(table.data, write=False) as W:
         if W is None:
             return NotImplemented
