@@ -137,7 +137,7 @@ __device__ __forceinline__ i64 chunk_len(i64 n, i64 C) {
 
 /* Sum of the gradient contributions of sorted entries [q0, q1), chunk c of the row, in entry order:
    acc += g (unweighted sum) or acc += coef * g (coef = w[p], 1/n for mean, or w[p] * (1/n)). */
-template <typename T>
+template <typename T, int N>
 struct Entries {
     const T* __restrict__ grad; i64 gstride; const i64* __restrict__ perm; i64 q0, q1;
     const i64* __restrict__ off; i64 B, k; const float* __restrict__ w; int mean;
@@ -155,13 +155,13 @@ struct Entries {
         T acc;
         vzero(acc);
         i64 q = q0;
-        for (; q + 4 <= q1; q += 4) {
-            float cf[4];
-            T g[4];
+        for (; q + N <= q1; q += N) {  /* N entries loaded ahead */
+            float cf[N];
+            T g[N];
 #pragma unroll
-            for (int t = 0; t < 4; ++t) g[t] = load(c, q + t, cf[t]);
+            for (int t = 0; t < N; ++t) g[t] = load(c, q + t, cf[t]);
 #pragma unroll
-            for (int t = 0; t < 4; ++t) acc = scaled ? vaxpy(cf[t], g[t], acc) : vadd(acc, g[t]);
+            for (int t = 0; t < N; ++t) acc = scaled ? vaxpy(cf[t], g[t], acc) : vadd(acc, g[t]);
         }
         for (; q < q1; ++q) {
             float cf;
@@ -180,7 +180,15 @@ struct Partials {
     __device__ __forceinline__ T operator()(int c) const {
         T acc;
         vzero(acc);
-        for (i64 j = 0; j < nch; ++j) acc = vadd(acc, P[(c0 + j) * FT + c]);
+        i64 j = 0;
+        for (; j + UNROLL <= nch; j += UNROLL) {
+            T p[UNROLL];
+#pragma unroll
+            for (int t = 0; t < UNROLL; ++t) p[t] = P[(c0 + j + t) * FT + c];
+#pragma unroll
+            for (int t = 0; t < UNROLL; ++t) acc = vadd(acc, p[t]);
+        }
+        for (; j < nch; ++j) acc = vadd(acc, P[(c0 + j) * FT + c]);
         return acc;
     }
 };
@@ -222,7 +230,7 @@ __device__ void update_short_body(T* W, int FT, int F, float* state, const T* gr
     i64 q0 = 0, q1 = 0, r = 0;
     if (active) { q0 = starts[u]; q1 = starts[u + 1]; active = q1 - q0 <= C; }
     if (active) r = (i64)idx[perm[q0]];
-    Entries<T> src{grad, gstride, perm, q0, q1, off, B, k, w, mean};
+    Entries<T, 4> src{grad, gstride, perm, q0, q1, off, B, k, w, mean};
     apply_row(W, FT, F, state, opt, lr, eps, r, active, src);
 }
 
@@ -238,7 +246,7 @@ __device__ void chunk_sums_body(T* P, int FT, const T* grad, i64 gstride, const 
     i64 u = lrow[lo], s = starts[u], e = starts[u + 1];
     i64 q0 = s + (j - lbase[lo]) * chunk_len(e - s, C);
     i64 q1 = min(q0 + chunk_len(e - s, C), e);
-    Entries<T> src{grad, gstride, perm, q0, q1, off, B, k, w, mean};
+    Entries<T, UNROLL> src{grad, gstride, perm, q0, q1, off, B, k, w, mean};
     for (int c = threadIdx.x; c < FT; c += blockDim.x) P[j * FT + c] = src(c);
 }
 
