@@ -95,11 +95,11 @@ def test_update_plan_groups_each_rows_entries_in_batch_order():
     be = ReferenceBackend()
     idx = np.array([5, 2, 5, 9, 2, 5], np.int64)
     p = ops.plan(be, idx)
-    assert p.U == 3 and idx[p.perm[p.starts[:p.U]]].tolist() == [2, 5, 9] and p.starts.tolist() == [0, 2, 5, 6]
-    assert p.perm.tolist() == [1, 4, 0, 2, 5, 3] and p.NL == 0 and p.NC == 0
+    assert p.srow.tolist() == [2, 2, 5, 5, 5, 9] and p.perm.tolist() == [1, 4, 0, 2, 5, 3]
+    assert p.NL == 0 and p.NC == 0
     hot = np.concatenate([np.full(40, 7), np.arange(5), np.full(1100, 3)])  # rows 7 and 3 are long
     p = ops.plan(be, hot)
-    assert p.lrow.tolist() == [3, 5] and p.NL == 2  # unique rows 0, 1, 2, 3, 4, 7
+    assert p.NL == 2 and p.lstart.tolist() == [3, 1105] and p.lend.tolist() == [1104, 1145]  # rows 0..2 first, 4 between
     assert reference.chunk_len(40) == 32 and reference.chunk_len(1101) == 34 and reference.chunk_len(1156) == 34
     assert p.lbase.tolist() == [0, -(-1101 // 34)] and p.NC == -(-1101 // 34) + 2
 
@@ -177,7 +177,7 @@ def test_cuda_source_compiles_with_nvcc(tmp_path):
     assert r.returncode == 0, r.stderr
     ptx = (tmp_path / "k.ptx").read_text()
     for name in ("pooled_v4_i32", "pooled_v1_i64", "update_short_v4_i32", "update_long_v1_i64", "chunk_sums_v4",
-                 "row_heads_i64", "long_rows", "check_i32"):
+                 "sorted_rows_i64", "long_rows_i32", "check_i32"):
         assert f".entry {name}(" in ptx
 
 
@@ -366,7 +366,7 @@ def test_gpu_update_equals_the_reference_bit_for_bit(opt):
             if opt is E.RowwiseAdagrad:
                 assert np.array_equal(state.get(), ref_state)
         plan = ops.plan(ReferenceBackend(), idx.reshape(-1))
-        assert plan.NL >= 2 and plan.U > 100  # both kernels ran
+        assert plan.NL >= 2 and plan.perm.size - plan.NL > 100  # long and short rows both ran
 
 
 @pytest.mark.gpu

@@ -22,14 +22,16 @@ from . import cuda, reference
 
 
 class Plan:
-    """An update's plan: ``perm`` sorts the batch positions by row (stable); unique row ``u`` owns
-    ``perm[starts[u]:starts[u+1]]``; long row ``lrow[s]`` (more than ``reference.CHUNK`` entries)
-    has its chunk sums at ``lbase[s]...``; ``NC`` chunk sums in all."""
+    """An update's plan: ``perm`` sorts the batch positions by row (stable), ``srow[q]`` is the row
+    of sorted entry ``q``, so each row's entries are a run of equal ``srow``; the runs of more than
+    ``reference.CHUNK`` entries (long rows) are ``[lstart[s], lend[s])`` with their chunk sums at
+    ``lbase[s]...``; ``NL`` long rows and ``NC`` chunk sums in all."""
 
-    __slots__ = ("perm", "starts", "U", "lrow", "lbase", "NL", "NC")
+    __slots__ = ("perm", "srow", "lstart", "lend", "lbase", "NL", "NC")
 
-    def __init__(self, perm, starts, U, lrow, lbase, NL, NC) -> None:
-        self.perm, self.starts, self.U, self.lrow, self.lbase, self.NL, self.NC = perm, starts, U, lrow, lbase, NL, NC
+    def __init__(self, perm, srow, lstart, lend, lbase, NL: int, NC: int) -> None:
+        self.perm, self.srow, self.lstart, self.lend, self.lbase = perm, srow, lstart, lend, lbase
+        self.NL, self.NC = NL, NC
 
 
 class ReferenceBackend:
@@ -77,21 +79,23 @@ class ReferenceBackend:
     def argsort(self, idx) -> np.ndarray:
         return np.argsort(idx, kind="stable").astype(np.int64)
 
-    def row_heads(self, idx, perm) -> np.ndarray:
-        rows = idx[perm]
-        return np.concatenate(([True], rows[1:] != rows[:-1])).astype(np.int32)
+    def sorted_rows(self, idx, perm) -> np.ndarray:
+        return idx[perm]
 
-    def long_rows(self, starts, U: int, L: int, C: int) -> tuple[np.ndarray, np.ndarray, int, int]:
-        """(rows of more than ``C`` entries, their first chunk sums, how many, chunk sums in all)."""
-        lens = np.diff(starts[:U + 1])
-        lrow = np.flatnonzero(lens > C).astype(np.int64)
-        nch = np.array([-(-int(n) // reference.chunk_len(int(n), C)) for n in lens[lrow]], np.int64)
-        lbase = np.concatenate(([0], np.cumsum(nch)))[:-1].astype(np.int64)
-        return lrow, lbase, int(lrow.size), int(nch.sum())
+    def long_rows(self, srow, L: int, C: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+        """(first entries, ends and first chunk sums of the runs of more than ``C`` entries, how many,
+        chunk sums in all), in row order."""
+        heads = np.flatnonzero(np.concatenate(([True], srow[1:] != srow[:-1])))
+        ends = np.append(heads[1:], L)
+        long = (ends - heads) > C
+        lstart, lend = heads[long].astype(np.int64), ends[long].astype(np.int64)
+        nch = np.array([-(-int(n) // reference.chunk_len(int(n), C)) for n in lend - lstart], np.int64)
+        lbase = (np.cumsum(nch) - nch).astype(np.int64)
+        return lstart, lend, lbase, int(lstart.size), int(nch.sum())
 
-    def update(self, W, state, grad, idx, plan: Plan, off, B, k, w, mean, opt, lr, eps) -> None:
+    def update(self, W, state, grad, plan: Plan, off, B, k, w, mean, opt, lr, eps) -> None:
         F = W.shape[1]
-        reference.update(W, state, grad, idx, plan.perm, plan.starts, plan.U, off, B, k, w, mean, opt, lr, eps,
+        reference.update(W, state, grad, plan.perm, plan.srow, off, B, k, w, mean, opt, lr, eps,
                          4 if F % 4 == 0 else 1)
 
 
@@ -166,46 +170,49 @@ class CudaBackend:
     def argsort(self, idx) -> Any:
         return self.xp.argsort(idx)  # CuPy's sorts are stable (thrust stable_sort_by_key)
 
-    def row_heads(self, idx, perm) -> Any:
-        heads = self.xp.empty(perm.size, self.xp.int32)
-        name = "row_heads_i32" if idx.dtype == np.int32 else "row_heads_i64"
-        cuda.kernel(name)(*cuda.grid_1d(perm.size), (idx, perm, np.int64(perm.size), heads))
-        return heads
+    def sorted_rows(self, idx, perm) -> Any:
+        srow = self.xp.empty(perm.size, idx.dtype)
+        name = "sorted_rows_i32" if idx.dtype == np.int32 else "sorted_rows_i64"
+        cuda.kernel(name)(*cuda.grid_1d(perm.size), (idx, perm, np.int64(perm.size), srow))
+        return srow
 
-    def long_rows(self, starts, U: int, L: int, C: int) -> tuple[Any, Any, int, int]:
+    def long_rows(self, srow, L: int, C: int) -> tuple[Any, Any, Any, int, int]:
+        """The long rows' runs, in slot order; one sync for their count."""
         cp = self.xp
         cap = L // (C + 1) + 1
         counter = cp.zeros(1, cp.uint64)
-        lrow = cp.empty(cap, cp.int64)
-        lbase = cp.empty(cap, cp.int64)
-        cuda.kernel("long_rows")(*cuda.grid_1d(U), (starts, np.int64(U), np.int64(C), counter, lrow, lbase))
+        lstart, lend, lbase = (cp.empty(cap, cp.int64) for _ in range(3))
+        name = "long_rows_i32" if srow.dtype == np.int32 else "long_rows_i64"
+        cuda.kernel(name)(*cuda.grid_1d(L), (srow, np.int64(L), np.int64(C), counter, lstart, lend, lbase))
         packed = int(counter.get()[0])
-        return lrow, lbase, packed >> 40, packed & ((1 << 40) - 1)
+        return lstart, lend, lbase, packed >> 40, packed & ((1 << 40) - 1)
 
-    def update(self, W, state, grad, idx, plan: Plan, off, B, k, w, mean, opt, lr, eps) -> None:
+    def update(self, W, state, grad, plan: Plan, off, B, k, w, mean, opt, lr, eps) -> None:
         F = W.shape[1]
+        L = plan.perm.size
         v4 = _vec4(F, W, grad)
         FT = F // 4 if v4 else F
         g, rows = cuda.group(FT, pow2=True)
-        suffix = f"{'v4' if v4 else 'v1'}_{'i32' if idx.dtype == np.int32 else 'i64'}"
+        vt = "v4" if v4 else "v1"
+        suffix = f"{vt}_{'i32' if plan.srow.dtype == np.int32 else 'i64'}"
         C = np.int64(reference.CHUNK)
         common = (cuda.ptr(off), np.int64(B), np.int64(k), cuda.ptr(w), np.int32(mean))
         step = (np.int32(opt), np.float32(lr), np.float32(eps))
         gstride = np.int64(grad.strides[0] // (16 if v4 else 4))
         if plan.NL:
             P = self.xp.empty((plan.NC, F), np.float32)
-            cuda.kernel(f"chunk_sums_{'v4' if v4 else 'v1'}")(
+            cuda.kernel(f"chunk_sums_{vt}")(
                 (-(-plan.NC // rows),), (g, rows),
-                (P, np.int32(FT), grad, gstride, plan.perm, plan.starts, plan.lrow, plan.lbase, np.int64(plan.NL),
+                (P, np.int32(FT), grad, gstride, plan.perm, plan.lstart, plan.lend, plan.lbase, np.int64(plan.NL),
                  np.int64(plan.NC), C) + common)
             cuda.kernel(f"update_long_{suffix}")(
                 (-(-plan.NL // rows),), (g, rows),
-                (W, np.int32(FT), np.int32(F), cuda.ptr(state), P, idx, plan.perm, plan.starts, plan.lrow,
-                 plan.lbase, np.int64(plan.NL), C) + step)
+                (W, np.int32(FT), np.int32(F), cuda.ptr(state), P, plan.srow, plan.lstart, plan.lend, plan.lbase,
+                 np.int64(plan.NL), C) + step)
         cuda.kernel(f"update_short_{suffix}")(
-            (-(-plan.U // rows),), (g, rows),
-            (W, np.int32(FT), np.int32(F), cuda.ptr(state), grad, gstride, idx, plan.perm, plan.starts,
-             np.int64(plan.U), C) + common + step)
+            (-(-L // rows),), (g, rows),
+            (W, np.int32(FT), np.int32(F), cuda.ptr(state), grad, gstride, plan.srow, plan.perm, np.int64(L), C)
+            + common + step)
 
 
 _POOLED = {(v4, i32): f"pooled_{'v4' if v4 else 'v1'}_{'i32' if i32 else 'i64'}"

@@ -125,9 +125,10 @@ __device__ void pooled_body(const T* __restrict__ W, int FT, const I* __restrict
     }
 }
 
-/* The update plan: perm sorts the batch positions by row (stable: a row's entries in batch order); unique row u
-   owns perm[starts[u]:starts[u+1]]. A row of more than C entries is "long": its entries are cut into chunks of
-   chunk_len(n, C) (the last one shorter), each summed in order, and the chunk sums are added in chunk order. */
+/* The update plan: perm sorts the batch positions by row (stable: a row's entries in batch order) and srow[q] is
+   the row of sorted entry q, so a row's entries are a run [q, e) of equal srow. A row of more than C entries is
+   "long": its entries are cut into chunks of chunk_len(n, C) (the last one shorter), each summed in order, and the
+   chunk sums are added in chunk order. */
 __device__ __forceinline__ i64 chunk_len(i64 n, i64 C) {
     i64 s = (i64)sqrt((double)n);  /* ceil(sqrt(n)), exactly */
     while (s * s < n) ++s;
@@ -135,8 +136,21 @@ __device__ __forceinline__ i64 chunk_len(i64 n, i64 C) {
     return s > C ? s : C;
 }
 
-/* Sum of the gradient contributions of sorted entries [q0, q1), chunk c of the row, in entry order:
-   acc += g (unweighted sum) or acc += coef * g (coef = w[p], 1/n for mean, or w[p] * (1/n)). */
+/* The end of the run of row r that starts at q: a scan of at most C + 1 entries; if the run is longer, a binary
+   search (exact) or q + C + 1 (!exact: enough to tell a long row). */
+template <typename I>
+__device__ __forceinline__ i64 run_end(const I* __restrict__ srow, i64 L, i64 q, I r, i64 C, bool exact) {
+    i64 lim = min(L, q + C + 1), e = q + 1;
+    while (e < lim && srow[e] == r) ++e;
+    if (e < lim || e == L || !exact) return e;
+    i64 lo = e - 1, hi = L;  /* srow[lo] == r < srow[hi] (hi == L: past the end) */
+    while (hi - lo > 1) { i64 m = (lo + hi) >> 1; if (srow[m] == r) lo = m; else hi = m; }
+    return hi;
+}
+
+/* Sum of the gradient contributions of sorted entries [q0, q1), vector c of the row, in entry order
+   (N entries loaded ahead): acc += g (unweighted sum) or acc += coef * g (coef = w[p], 1/n for mean, or
+   w[p] * (1/n)). */
 template <typename T, int N>
 struct Entries {
     const T* __restrict__ grad; i64 gstride; const i64* __restrict__ perm; i64 q0, q1;
@@ -155,7 +169,7 @@ struct Entries {
         T acc;
         vzero(acc);
         i64 q = q0;
-        for (; q + N <= q1; q += N) {  /* N entries loaded ahead */
+        for (; q + N <= q1; q += N) {
             float cf[N];
             T g[N];
 #pragma unroll
@@ -172,7 +186,7 @@ struct Entries {
     }
 };
 
-/* A long row's chunk sums P[c0 .. c0 + nch), added in chunk order. */
+/* A long row's chunk sums P[c0 .. c0 + nch), added in chunk order (UNROLL loaded ahead). */
 template <typename T>
 struct Partials {
     const T* __restrict__ P; int FT; i64 c0, nch;
@@ -220,47 +234,50 @@ __device__ __forceinline__ void apply_row(T* __restrict__ W, int FT, int F, floa
     }
 }
 
-/* Rows of at most C entries: one thread group per unique row sums its entries and applies them. */
+/* Rows of at most C entries: one thread group per sorted entry; the group of a run's first entry sums the run
+   and applies it (no list of unique rows needed: the plan has no host sync for their count). */
 template <typename T, typename I>
-__device__ void update_short_body(T* W, int FT, int F, float* state, const T* grad, i64 gstride, const I* idx,
-                                  const i64* perm, const i64* starts, i64 U, i64 C, const i64* off, i64 B, i64 k,
-                                  const float* w, int mean, int opt, float lr, float eps) {
-    i64 u = (i64)blockIdx.x * blockDim.y + threadIdx.y;
-    bool active = u < U;
-    i64 q0 = 0, q1 = 0, r = 0;
-    if (active) { q0 = starts[u]; q1 = starts[u + 1]; active = q1 - q0 <= C; }
-    if (active) r = (i64)idx[perm[q0]];
-    Entries<T, 4> src{grad, gstride, perm, q0, q1, off, B, k, w, mean};
+__device__ void update_short_body(T* W, int FT, int F, float* state, const T* grad, i64 gstride, const I* srow,
+                                  const i64* perm, i64 L, i64 C, const i64* off, i64 B, i64 k, const float* w,
+                                  int mean, int opt, float lr, float eps) {
+    i64 q = (i64)blockIdx.x * blockDim.y + threadIdx.y;
+    bool active = q < L && (q == 0 || srow[q] != srow[q - 1]);
+    i64 e = 0, r = 0;
+    if (active) {
+        r = (i64)srow[q];
+        e = run_end(srow, L, q, srow[q], C, false);
+        active = e - q <= C;
+    }
+    Entries<T, 4> src{grad, gstride, perm, q, e, off, B, k, w, mean};  /* 4 ahead: fewer registers, more rows in flight */
     apply_row(W, FT, F, state, opt, lr, eps, r, active, src);
 }
 
 /* Chunk j of the long rows (slot: the last with lbase[slot] <= j) into P[j]. */
 template <typename T>
-__device__ void chunk_sums_body(T* P, int FT, const T* grad, i64 gstride, const i64* perm, const i64* starts,
-                                const i64* lrow, const i64* lbase, i64 NL, i64 NC, i64 C, const i64* off, i64 B,
+__device__ void chunk_sums_body(T* P, int FT, const T* grad, i64 gstride, const i64* perm, const i64* lstart,
+                                const i64* lend, const i64* lbase, i64 NL, i64 NC, i64 C, const i64* off, i64 B,
                                 i64 k, const float* w, int mean) {
     i64 j = (i64)blockIdx.x * blockDim.y + threadIdx.y;
     if (j >= NC) return;
     i64 lo = 0, hi = NL;
     while (hi - lo > 1) { i64 m = (lo + hi) >> 1; if (lbase[m] <= j) lo = m; else hi = m; }
-    i64 u = lrow[lo], s = starts[u], e = starts[u + 1];
-    i64 q0 = s + (j - lbase[lo]) * chunk_len(e - s, C);
-    i64 q1 = min(q0 + chunk_len(e - s, C), e);
+    i64 s = lstart[lo], e = lend[lo], cl = chunk_len(e - s, C);
+    i64 q0 = s + (j - lbase[lo]) * cl;
+    i64 q1 = min(q0 + cl, e);
     Entries<T, UNROLL> src{grad, gstride, perm, q0, q1, off, B, k, w, mean};
     for (int c = threadIdx.x; c < FT; c += blockDim.x) P[j * FT + c] = src(c);
 }
 
 /* Long row of slot sl: its chunk sums in order, then the optimizer step. */
 template <typename T, typename I>
-__device__ void update_long_body(T* W, int FT, int F, float* state, const T* P, const I* idx, const i64* perm,
-                                 const i64* starts, const i64* lrow, const i64* lbase, i64 NL, i64 C, int opt,
-                                 float lr, float eps) {
+__device__ void update_long_body(T* W, int FT, int F, float* state, const T* P, const I* srow, const i64* lstart,
+                                 const i64* lend, const i64* lbase, i64 NL, i64 C, int opt, float lr, float eps) {
     i64 sl = (i64)blockIdx.x * blockDim.y + threadIdx.y;
     bool active = sl < NL;
     i64 r = 0, c0 = 0, nch = 0;
     if (active) {
-        i64 u = lrow[sl], s = starts[u], n = starts[u + 1] - s, cl = chunk_len(n, C);
-        r = (i64)idx[perm[s]];
+        i64 s = lstart[sl], n = lend[sl] - s, cl = chunk_len(n, C);
+        r = (i64)srow[s];
         c0 = lbase[sl];
         nch = (n + cl - 1) / cl;
     }
@@ -279,47 +296,50 @@ POOLED(pooled_v1_i64, float, i64)
 
 #define UPDATE(SUFFIX, T, I) \
 extern "C" __global__ void update_short_##SUFFIX(T* W, int FT, int F, float* state, const T* grad, i64 gstride, \
-        const I* idx, const i64* perm, const i64* starts, i64 U, i64 C, const i64* off, i64 B, i64 k, const float* w, \
-        int mean, int opt, float lr, float eps) { \
-    update_short_body<T, I>(W, FT, F, state, grad, gstride, idx, perm, starts, U, C, off, B, k, w, mean, opt, lr, eps); } \
-extern "C" __global__ void update_long_##SUFFIX(T* W, int FT, int F, float* state, const T* P, const I* idx, \
-        const i64* perm, const i64* starts, const i64* lrow, const i64* lbase, i64 NL, i64 C, int opt, float lr, \
-        float eps) { \
-    update_long_body<T, I>(W, FT, F, state, P, idx, perm, starts, lrow, lbase, NL, C, opt, lr, eps); }
+        const I* srow, const i64* perm, i64 L, i64 C, const i64* off, i64 B, i64 k, const float* w, int mean, int opt, \
+        float lr, float eps) { \
+    update_short_body<T, I>(W, FT, F, state, grad, gstride, srow, perm, L, C, off, B, k, w, mean, opt, lr, eps); } \
+extern "C" __global__ void update_long_##SUFFIX(T* W, int FT, int F, float* state, const T* P, const I* srow, \
+        const i64* lstart, const i64* lend, const i64* lbase, i64 NL, i64 C, int opt, float lr, float eps) { \
+    update_long_body<T, I>(W, FT, F, state, P, srow, lstart, lend, lbase, NL, C, opt, lr, eps); }
 UPDATE(v4_i32, float4, int)
 UPDATE(v4_i64, float4, i64)
 UPDATE(v1_i32, float, int)
 UPDATE(v1_i64, float, i64)
 
 #define CHUNKS(NAME, T) \
-extern "C" __global__ void NAME(T* P, int FT, const T* grad, i64 gstride, const i64* perm, const i64* starts, \
-        const i64* lrow, const i64* lbase, i64 NL, i64 NC, i64 C, const i64* off, i64 B, i64 k, const float* w, \
+extern "C" __global__ void NAME(T* P, int FT, const T* grad, i64 gstride, const i64* perm, const i64* lstart, \
+        const i64* lend, const i64* lbase, i64 NL, i64 NC, i64 C, const i64* off, i64 B, i64 k, const float* w, \
         int mean) { \
-    chunk_sums_body<T>(P, FT, grad, gstride, perm, starts, lrow, lbase, NL, NC, C, off, B, k, w, mean); }
+    chunk_sums_body<T>(P, FT, grad, gstride, perm, lstart, lend, lbase, NL, NC, C, off, B, k, w, mean); }
 CHUNKS(chunk_sums_v4, float4)
 CHUNKS(chunk_sums_v1, float)
 
-/* heads[q] = 1 where sorted entry q starts a new row. */
-#define HEADS(NAME, I) \
-extern "C" __global__ void NAME(const I* idx, const i64* perm, i64 L, int* heads) { \
+/* srow[q] = idx[perm[q]]: the sorted rows, read contiguously by the kernels above. */
+#define SORTED_ROWS(NAME, I) \
+extern "C" __global__ void NAME(const I* idx, const i64* perm, i64 L, I* srow) { \
     for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; q < L; q += (i64)gridDim.x * blockDim.x) \
-        heads[q] = (q == 0 || idx[perm[q]] != idx[perm[q - 1]]) ? 1 : 0; }
-HEADS(row_heads_i32, int)
-HEADS(row_heads_i64, i64)
+        srow[q] = idx[perm[q]]; }
+SORTED_ROWS(sorted_rows_i32, int)
+SORTED_ROWS(sorted_rows_i64, i64)
 
-/* The long rows (more than C entries): slot and first chunk from one atomic (count << 40 | chunks), so lbase
-   increases with the slot. Slots are in no particular row order; the arithmetic does not depend on it. */
-extern "C" __global__ void long_rows(const i64* starts, i64 U, i64 C, u64* counter, i64* lrow, i64* lbase) {
-    for (i64 u = (i64)blockIdx.x * blockDim.x + threadIdx.x; u < U; u += (i64)gridDim.x * blockDim.x) {
-        i64 n = starts[u + 1] - starts[u];
-        if (n <= C) continue;
-        i64 cl = chunk_len(n, C);
-        u64 old = atomicAdd(counter, ((u64)1 << 40) + (u64)((n + cl - 1) / cl));
-        i64 slot = (i64)(old >> 40);
-        lrow[slot] = u;
-        lbase[slot] = (i64)(old & (((u64)1 << 40) - 1));
-    }
-}
+/* The long rows (more than C entries): run [lstart, lend) per slot; slot and first chunk sum from one atomic
+   (count << 40 | chunks), so lbase increases with the slot. Slots are in no particular row order; the arithmetic
+   does not depend on it. */
+#define LONG_ROWS(NAME, I) \
+extern "C" __global__ void NAME(const I* srow, i64 L, i64 C, u64* counter, i64* lstart, i64* lend, i64* lbase) { \
+    for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; q < L; q += (i64)gridDim.x * blockDim.x) { \
+        if (q > 0 && srow[q] == srow[q - 1]) continue; \
+        i64 e = run_end(srow, L, q, srow[q], C, true), n = e - q; \
+        if (n <= C) continue; \
+        i64 cl = chunk_len(n, C); \
+        u64 old = atomicAdd(counter, ((u64)1 << 40) + (u64)((n + cl - 1) / cl)); \
+        i64 slot = (i64)(old >> 40); \
+        lstart[slot] = q; \
+        lend[slot] = e; \
+        lbase[slot] = (i64)(old & (((u64)1 << 40) - 1)); } }
+LONG_ROWS(long_rows_i32, int)
+LONG_ROWS(long_rows_i64, i64)
 
 /* Validation of unchecked device input (before anything is written): flags[0] = 1 for an index outside [0, n),
    flags[1] = 1 for offsets that are not a CSR partition of [0, L), flags[2] = 1 for a non-finite gradient.

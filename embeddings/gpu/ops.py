@@ -10,7 +10,7 @@ the table is written. On a flag the host copies go through ``make_bags`` for the
 and message (table, position, value). A lookup of a host batch does not synchronise at all.
 
 An update sorts the batch positions by row (stable, so a row's entries stay in batch order),
-finds where rows start and which rows are long (two syncs for their counts), and runs fused
+finds the long rows (one sync for their count: the plan's only one), and runs fused
 accumulate-and-apply kernels: no table gradient is materialised, duplicates accumulate in a fixed
 order (long rows in chunks, :mod:`.cuda`), deterministically.
 """
@@ -259,17 +259,12 @@ def prepare_pullback(be, name: str, nvectors: int, F: int, grad: Any, indices: A
 
 
 def plan(be, idx: Any) -> Plan:
-    """The update plan of a batch's flat indices (:class:`~.backend.Plan`); synchronises twice
-    (the number of unique rows, then of long rows and chunks)."""
-    L = int(idx.size)
+    """The update plan of a batch's flat indices (:class:`~.backend.Plan`): a stable argsort, the
+    sorted rows, and the long rows, whose count is the plan's one synchronisation."""
     perm = be.argsort(idx)
-    first = be.xp.flatnonzero(be.row_heads(idx, perm))
-    U = int(first.size)
-    starts = be.xp.empty(U + 1, np.int64)
-    starts[:U] = first
-    starts[U:] = L
-    lrow, lbase, NL, NC = be.long_rows(starts, U, L, reference.CHUNK)
-    return Plan(perm, starts, U, lrow, lbase, NL, NC)
+    srow = be.sorted_rows(idx, perm)
+    lstart, lend, lbase, NL, NC = be.long_rows(srow, int(idx.size), reference.CHUNK)
+    return Plan(perm, srow, lstart, lend, lbase, NL, NC)
 
 
 def apply_pullback(be, W: Any, state: Any, prep: PreparedUpdate, optimizer: Any) -> None:
@@ -281,7 +276,7 @@ def apply_pullback(be, W: Any, state: Any, prep: PreparedUpdate, optimizer: Any)
         return
     p = plan(be, bags.idx)
     confirm(be, [prep.pending])  # the plan synchronised: the flags are final
-    be.update(W, state, prep.grad, bags.idx, p, bags.off, bags.nout, max(bags.k, 1), bags.w, bags.mean,
+    be.update(W, state, prep.grad, p, bags.off, bags.nout, max(bags.k, 1), bags.w, bags.mean,
               optimizer.code, float(optimizer.lr), float(optimizer.eps))
 
 

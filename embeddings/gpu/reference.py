@@ -78,21 +78,23 @@ def chunk_len(n: int, C: int = CHUNK) -> int:
     return max(C, math.isqrt(n - 1) + 1)
 
 
-def update(W, state, grad, idx, perm, starts, U, off, B, k, w, mean, opt, lr, eps, vec: int) -> None:
-    """The CUDA update kernels, unique row by unique row (small inputs only: a Python loop).
+def update(W, state, grad, perm, srow, off, B, k, w, mean, opt, lr, eps, vec: int) -> None:
+    """The CUDA update kernels, row by row (small inputs only: a Python loop).
 
-    Row ``idx[perm[starts[u]]]`` gets the gradient rows of its entries ``perm[starts[u]:starts[u+1]]``
-    summed in order (``acc + g``, or ``acc + coef * g`` with two roundings), a row of more than
-    :data:`CHUNK` entries chunk by chunk with the chunk sums added in order; then ``row - mult * acc``.
-    Row-wise Adagrad sums squares as the kernel's thread group does: ``vec`` floats per thread
-    chunk (4 or 1), thread ``t`` of ``G`` takes chunks ``t, t + G, ...``, then a butterfly."""
+    Each run ``q0:q1`` of equal ``srow`` (row ``r``) gets the gradient rows of its entries
+    ``perm[q0:q1]`` summed in order (``acc + g``, or ``acc + coef * g`` with two roundings), a row
+    of more than :data:`CHUNK` entries chunk by chunk with the chunk sums added in order; then
+    ``row - mult * acc``. Row-wise Adagrad sums squares as the kernel's thread group does: ``vec``
+    floats per thread chunk (4 or 1), thread ``t`` of ``G`` takes chunks ``t, t + G, ...``, then a
+    butterfly."""
     F = W.shape[1]
     perm = np.asarray(perm, np.int64)
+    L = perm.size
     offsets = off if off is not None else np.arange(B + 1, dtype=np.int64) * k
     bag = np.searchsorted(offsets, perm, side="right") - 1
     scaled = w is not None or mean
     if scaled:
-        coef = np.ones(perm.size, np.float32)
+        coef = np.ones(L, np.float32)
         if mean:
             coef = np.float32(1.0) / (offsets[bag + 1] - offsets[bag]).astype(np.float32)
         if w is not None:
@@ -105,9 +107,10 @@ def update(W, state, grad, idx, perm, starts, U, off, B, k, w, mean, opt, lr, ep
             acc = acc + coef[q] * grad[bag[q]] if scaled else acc + grad[bag[q]]
         return acc
 
-    for u in range(U):
-        q0, q1 = int(starts[u]), int(starts[u + 1])
-        r = int(idx[perm[q0]])
+    heads = np.flatnonzero(np.concatenate(([True], srow[1:] != srow[:-1]))) if L else np.zeros(0, np.int64)
+    for q0, q1 in zip(heads, np.append(heads[1:], L)):
+        q0, q1 = int(q0), int(q1)
+        r = int(srow[q0])
         if q1 - q0 <= CHUNK:
             acc = run(q0, q1)
         else:
