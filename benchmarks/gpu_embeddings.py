@@ -30,6 +30,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 
 import numpy as np
 
@@ -72,6 +73,8 @@ def event_time(cp, fn, repeats: int) -> float:
 def host_split(cp, be, table, W, I, reps: int = 200) -> dict[str, float]:
     """Microseconds of host time per call of each step of ``embeddings.lookup`` on a device batch
     (launches are asynchronous; the sync row waits for the kernel)."""
+    import jax
+
     import embeddings as E
     from embeddings.gpu import ops, tables
 
@@ -94,7 +97,8 @@ def host_split(cp, be, table, W, I, reps: int = 200) -> dict[str, float]:
         "empty output": per_call(lambda: cp.empty((bags.nout, W.shape[1]), cp.float32)),
         "kernel launch": per_call(lambda: ops.run_pooled(be, out, W, bags)),
         "launch + sync": per_call(lambda: (ops.run_pooled(be, out, W, bags), be.sync())),
-        "JAX handoff": per_call(lambda: tables.as_output(out)),
+        "JAX handoff (ours)": per_call(lambda: tables.as_output(out)),
+        "JAX handoff (jax.dlpack)": per_call(lambda: jax.dlpack.from_dlpack(out)),
         "ops.lookup (CuPy out)": per_call(lambda: ops.lookup(be, table.name, W, I)),
         "embeddings.lookup": per_call(lambda: E.lookup(table, I)),
     }
@@ -157,75 +161,79 @@ def main(argv=None) -> int:
         for k in (1, 40):
             for dist in ("uniform", "zipf"):
                 case = f"F={F} k={k} {dist}"
-                I = cp.asarray(indices_for(dist, nrows, (batch, k), seed=k))
-                It = torch.from_dlpack(I)
-                Ij = jax.dlpack.from_dlpack(I)
-                L = batch * k
-                bags, _, _ = ops.device_bags(be, table.name, nrows, I, flags=be.flags(3))
-                out = cp.empty((batch, F), cp.float32)
-                I_host = I.get()
-                # correctness in the same run: ours against torch on this data
-                ours = np.asarray(E.lookup(table, I))
-                ref = torch.nn.functional.embedding_bag(It, Wt, mode="sum").cpu().numpy()
-                err = float(np.abs(ours - ref).max())
-                t_api = timed(lambda: E.lookup(table, I), sync, reps)
-                t_ops = timed(lambda: ops.lookup(be, table.name, W, I), sync, reps)
-                t_host_idx = timed(lambda: E.lookup(table, I_host), sync, reps)
-                t_kernel = event_time(cp, lambda: ops.run_pooled(be, out, W, bags), reps)
-                t_torch = timed(lambda: torch.nn.functional.embedding_bag(It, Wt, mode="sum"), sync, reps)
-                t_jax = timed(lambda: jtake(Wj, Ij).block_until_ready(), sync, reps)
-                if k == 1 and dist == "uniform":
-                    splits[f"F={F}"] = host_split(cp, be, table, W, I)
-                lbytes = L * F * 4 + L * 4 + batch * F * 4
-                g = cp.random.default_rng(1).standard_normal((batch, F), dtype=cp.float32)
-                gt = torch.from_dlpack(g)
-                U = int(cp.unique(I).size)
-                ubytes = batch * F * 4 + L * 4 + 2 * U * F * 4
-                flat = I.reshape(-1)
-                t_sort = timed(lambda: be.argsort(flat), sync, reps)
-                t_plan = timed(lambda: ops.plan(be, flat), sync, reps)
-                plan = ops.plan(be, flat)
-                t_sgd = timed(lambda: E.pullback(table, g, I, optimizer=E.SGD(1e-4)), sync, reps)
-                ada = E.RowwiseAdagrad(1e-4)
-                t_ada = timed(lambda: E.pullback(table, g, I, optimizer=ada), sync, reps)
-                del ada
+                try:  # one failing case must not lose the others' measurements
+                    I = cp.asarray(indices_for(dist, nrows, (batch, k), seed=k))
+                    It = torch.from_dlpack(I)
+                    Ij = jax.dlpack.from_dlpack(I)
+                    L = batch * k
+                    bags, _, _ = ops.device_bags(be, table.name, nrows, I, flags=be.flags(3))
+                    out = cp.empty((batch, F), cp.float32)
+                    I_host = I.get()
+                    # correctness in the same run: ours against torch on this data
+                    ours = np.asarray(E.lookup(table, I))
+                    ref = torch.nn.functional.embedding_bag(It, Wt, mode="sum").cpu().numpy()
+                    err = float(np.abs(ours - ref).max())
+                    t_api = timed(lambda: E.lookup(table, I), sync, reps)
+                    t_ops = timed(lambda: ops.lookup(be, table.name, W, I), sync, reps)
+                    t_host_idx = timed(lambda: E.lookup(table, I_host), sync, reps)
+                    t_kernel = event_time(cp, lambda: ops.run_pooled(be, out, W, bags), reps)
+                    t_torch = timed(lambda: torch.nn.functional.embedding_bag(It, Wt, mode="sum"), sync, reps)
+                    t_jax = timed(lambda: jtake(Wj, Ij).block_until_ready(), sync, reps)
+                    if k == 1 and dist == "uniform":
+                        splits[f"F={F}"] = host_split(cp, be, table, W, I)
+                    lbytes = L * F * 4 + L * 4 + batch * F * 4
+                    g = cp.random.default_rng(1).standard_normal((batch, F), dtype=cp.float32)
+                    gt = torch.from_dlpack(g)
+                    U = int(cp.unique(I).size)
+                    ubytes = batch * F * 4 + L * 4 + 2 * U * F * 4
+                    flat = I.reshape(-1)
+                    t_sort = timed(lambda: be.argsort(flat), sync, reps)
+                    t_plan = timed(lambda: ops.plan(be, flat), sync, reps)
+                    plan = ops.plan(be, flat)
+                    t_sgd = timed(lambda: E.pullback(table, g, I, optimizer=E.SGD(1e-4)), sync, reps)
+                    ada = E.RowwiseAdagrad(1e-4)
+                    t_ada = timed(lambda: E.pullback(table, g, I, optimizer=ada), sync, reps)
+                    del ada
 
-                def torch_step():
-                    topt.zero_grad(set_to_none=True)
-                    emb(It).backward(gt)
-                    topt.step()
+                    def torch_step():
+                        topt.zero_grad(set_to_none=True)
+                        emb(It).backward(gt)
+                        topt.step()
 
-                t_tstep = timed(torch_step, sync, reps)
-                t_tfwd = timed(lambda: emb(It), sync, reps)
-                t_tbwd = max(t_tstep - t_tfwd, 1e-9)
-                r = {"case": case, "F": F, "k": k, "dist": dist, "rows": nrows, "batch": batch, "unique_rows": U,
-                     "long_rows": plan.NL, "chunks": plan.NC, "max_abs_diff_vs_torch": err,
-                     "lookup_ms": t_api * 1e3, "lookup_cupy_ms": t_ops * 1e3, "lookup_host_indices_ms": t_host_idx * 1e3,
-                     "lookup_kernel_ms": t_kernel * 1e3, "torch_lookup_ms": t_torch * 1e3,
-                     "jax_take_sum_ms": t_jax * 1e3, "lookup_GBps": lbytes / t_api / 1e9,
-                     "lookup_kernel_GBps": lbytes / t_kernel / 1e9, "lookup_bw_fraction": lbytes / t_api / 1e9 / bw,
-                     "lookup_kernel_bw_fraction": lbytes / t_kernel / 1e9 / bw,
-                     "torch_over_ours_lookup": t_torch / t_api,
-                     "sort_ms": t_sort * 1e3, "plan_ms": t_plan * 1e3,
-                     "sgd_ms": t_sgd * 1e3, "adagrad_ms": t_ada * 1e3, "torch_step_ms": t_tstep * 1e3,
-                     "torch_bwd_step_ms": t_tbwd * 1e3, "update_floor_ms": ubytes / (bw * 1e9) * 1e3,
-                     "torch_bwd_step_over_ours_sgd": t_tbwd / t_sgd, "sgd_over_floor": t_sgd / (ubytes / (bw * 1e9))}
-                results.append(r)
-                print(f"  {case}: lookup {r['lookup_ms']:.3f} ms (kernel {r['lookup_kernel_ms']:.3f}) torch "
-                      f"{r['torch_lookup_ms']:.3f} jax {r['jax_take_sum_ms']:.3f}; sgd {r['sgd_ms']:.3f} (sort "
-                      f"{r['sort_ms']:.3f} plan {r['plan_ms']:.3f}) adagrad {r['adagrad_ms']:.3f} torch step "
-                      f"{r['torch_step_ms']:.3f}; max |ours - torch| {err:.2e}", flush=True)
-                targets[f"{case}: lookup <= torch ({r['lookup_ms']:.3f} vs {r['torch_lookup_ms']:.3f} ms)"] = \
-                    t_api <= t_torch
-                if k > 1:
-                    targets[f"{case}: lookup >= 60% of copy bandwidth ({100 * r['lookup_bw_fraction']:.0f}%)"] = \
-                        r["lookup_bw_fraction"] >= 0.6
-                targets[f"{case}: SGD >= 5x torch backward+step ({r['torch_bwd_step_over_ours_sgd']:.1f}x)"] = \
-                    r["torch_bwd_step_over_ours_sgd"] >= 5
-                targets[f"{case}: SGD within 1.5x of its traffic floor ({r['sgd_over_floor']:.2f}x)"] = \
-                    r["sgd_over_floor"] <= 1.5
-                del plan, flat
-                del I, It, Ij, bags, out, g, gt
+                    t_tstep = timed(torch_step, sync, reps)
+                    t_tfwd = timed(lambda: emb(It), sync, reps)
+                    t_tbwd = max(t_tstep - t_tfwd, 1e-9)
+                    r = {"case": case, "F": F, "k": k, "dist": dist, "rows": nrows, "batch": batch, "unique_rows": U,
+                         "long_rows": plan.NL, "chunks": plan.NC, "max_abs_diff_vs_torch": err,
+                         "lookup_ms": t_api * 1e3, "lookup_cupy_ms": t_ops * 1e3, "lookup_host_indices_ms": t_host_idx * 1e3,
+                         "lookup_kernel_ms": t_kernel * 1e3, "torch_lookup_ms": t_torch * 1e3,
+                         "jax_take_sum_ms": t_jax * 1e3, "lookup_GBps": lbytes / t_api / 1e9,
+                         "lookup_kernel_GBps": lbytes / t_kernel / 1e9, "lookup_bw_fraction": lbytes / t_api / 1e9 / bw,
+                         "lookup_kernel_bw_fraction": lbytes / t_kernel / 1e9 / bw,
+                         "torch_over_ours_lookup": t_torch / t_api,
+                         "sort_ms": t_sort * 1e3, "plan_ms": t_plan * 1e3,
+                         "sgd_ms": t_sgd * 1e3, "adagrad_ms": t_ada * 1e3, "torch_step_ms": t_tstep * 1e3,
+                         "torch_bwd_step_ms": t_tbwd * 1e3, "update_floor_ms": ubytes / (bw * 1e9) * 1e3,
+                         "torch_bwd_step_over_ours_sgd": t_tbwd / t_sgd, "sgd_over_floor": t_sgd / (ubytes / (bw * 1e9))}
+                    results.append(r)
+                    print(f"  {case}: lookup {r['lookup_ms']:.3f} ms (kernel {r['lookup_kernel_ms']:.3f}) torch "
+                          f"{r['torch_lookup_ms']:.3f} jax {r['jax_take_sum_ms']:.3f}; sgd {r['sgd_ms']:.3f} (sort "
+                          f"{r['sort_ms']:.3f} plan {r['plan_ms']:.3f}) adagrad {r['adagrad_ms']:.3f} torch step "
+                          f"{r['torch_step_ms']:.3f}; max |ours - torch| {err:.2e}", flush=True)
+                    targets[f"{case}: lookup <= torch ({r['lookup_ms']:.3f} vs {r['torch_lookup_ms']:.3f} ms)"] = \
+                        t_api <= t_torch
+                    if k > 1:
+                        targets[f"{case}: lookup >= 60% of copy bandwidth ({100 * r['lookup_bw_fraction']:.0f}%)"] = \
+                            r["lookup_bw_fraction"] >= 0.6
+                    targets[f"{case}: SGD >= 5x torch backward+step ({r['torch_bwd_step_over_ours_sgd']:.1f}x)"] = \
+                        r["torch_bwd_step_over_ours_sgd"] >= 5
+                    targets[f"{case}: SGD within 1.5x of its traffic floor ({r['sgd_over_floor']:.2f}x)"] = \
+                        r["sgd_over_floor"] <= 1.5
+                    del plan, flat, I, It, Ij, bags, out, g, gt
+                except Exception:
+                    traceback.print_exc()
+                    print(f"  {case}: FAILED (traceback above)", flush=True)
+                    targets[f"{case}: ran"] = False
         del table, Wt, Wj, emb, topt, W
         cp.get_default_memory_pool().free_all_blocks()
         torch.cuda.empty_cache()

@@ -19,6 +19,7 @@ from cachedarrays import CachedArray, readable, writable
 from ..optim import RowwiseAdagrad
 from . import ops
 from .backend import cuda_backend
+from .handoff import to_jax
 
 
 @contextmanager
@@ -35,22 +36,9 @@ def device_rows(data: Any, write: bool) -> Iterator[Any]:
     yield cuda_backend().asarray(data)
 
 
-_jax_gpu: bool | None = None
-
-
 def as_output(out: Any) -> Any:
     """A lookup's CuPy output as a JAX array without a copy (CuPy where JAX has no GPU)."""
-    global _jax_gpu
-    if _jax_gpu is None:
-        try:
-            import jax
-            _jax_gpu = bool(jax.devices("gpu"))
-        except Exception:
-            _jax_gpu = False
-    if not _jax_gpu:
-        return out
-    import jax
-    return jax.dlpack.from_dlpack(out)
+    return to_jax(out)
 
 
 def lookup(table: Any, indices: Any, offsets: Any, mode: str | None, weights: Any, out: Any = None) -> Any:
