@@ -127,14 +127,16 @@ class CudaBackend:
 
     def flags(self, n: int) -> np.ndarray:
         """``n`` zeroed int32 flags in page-locked host memory that kernels write through its mapped
-        address (unified addressing: the same pointer). One buffer per thread, reused: every call
-        of the driver reads its flags after a sync, before it returns."""
-        buf = getattr(self._local, "flags", None)
-        if buf is None or buf.size < n:
-            mem = self.xp.cuda.alloc_pinned_memory(max(n, 64) * 4)
-            buf = np.frombuffer(mem, np.int32, max(n, 64))
-            self._local.flags = buf
-        view = buf[:n]
+        address (unified addressing: the same pointer). Taken in turn from a ring per thread, so a
+        call that raised before its checks finished cannot set a later call's flags."""
+        ring = getattr(self._local, "ring", None)
+        if ring is None or ring.size < 64 * n:
+            size = max(4096, 64 * n)
+            ring = self._local.ring = np.frombuffer(self.xp.cuda.alloc_pinned_memory(size * 4), np.int32, size)
+            self._local.cursor = 0
+        at = self._local.cursor if self._local.cursor + n <= ring.size else 0
+        self._local.cursor = at + n
+        view = ring[at:at + n]
         view[:] = 0
         return view
 
