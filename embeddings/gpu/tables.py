@@ -72,6 +72,10 @@ def prepare(table: Any, grad: Any, indices: Any, offsets: Any, mode: str | None,
 
 def apply(table: Any, prep: ops.PreparedUpdate, optimizer: Any) -> Any:
     """Run a prepared update in place (``NotImplemented``: the rows are on the host now)."""
+    be = cuda_backend()
+    if type(table.data) is be.xp.ndarray:  # nothing to pin
+        ops.apply_pullback(be, table.data, state_for(optimizer, table), prep, optimizer)
+        return None
     with device_rows(table.data, write=True) as W:
         if W is None:
             return NotImplemented
