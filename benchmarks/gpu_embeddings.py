@@ -209,7 +209,8 @@ def main(argv=None) -> int:
                     t_tbwd = max(t_tstep - t_tfwd, 1e-9)
                     r = {"case": case, "F": F, "k": k, "dist": dist, "rows": nrows, "batch": batch, "unique_rows": U,
                          "long_rows": plan.NL, "chunks": plan.NC, "max_abs_diff_vs_torch": err,
-                         "lookup_ms": t_api * 1e3, "lookup_cupy_ms": t_ops * 1e3, "lookup_host_indices_ms": t_host_idx * 1e3,
+                         "lookup_ms": t_api * 1e3, "lookup_cupy_ms": t_ops * 1e3,
+                         "lookup_host_indices_ms": t_host_idx * 1e3,
                          "lookup_kernel_ms": t_kernel * 1e3, "torch_lookup_ms": t_torch * 1e3,
                          "jax_take_sum_ms": t_jax * 1e3, "lookup_GBps": lbytes / t_api / 1e9,
                          "lookup_kernel_GBps": lbytes / t_kernel / 1e9, "lookup_bw_fraction": lbytes / t_api / 1e9 / bw,
@@ -218,7 +219,8 @@ def main(argv=None) -> int:
                          "sort_ms": t_sort * 1e3, "sort_int64_keys_ms": t_sort64 * 1e3, "plan_ms": t_plan * 1e3,
                          "sgd_ms": t_sgd * 1e3, "adagrad_ms": t_ada * 1e3, "torch_step_ms": t_tstep * 1e3,
                          "torch_bwd_step_ms": t_tbwd * 1e3, "update_floor_ms": ubytes / (bw * 1e9) * 1e3,
-                         "torch_bwd_step_over_ours_sgd": t_tbwd / t_sgd, "sgd_over_floor": t_sgd / (ubytes / (bw * 1e9))}
+                         "torch_bwd_step_over_ours_sgd": t_tbwd / t_sgd,
+                         "sgd_over_floor": t_sgd / (ubytes / (bw * 1e9))}
                     results.append(r)
                     print(f"  {case}: lookup {r['lookup_ms']:.3f} ms (kernel {r['lookup_kernel_ms']:.3f}) torch "
                           f"{r['torch_lookup_ms']:.3f} jax {r['jax_take_sum_ms']:.3f}; sgd {r['sgd_ms']:.3f} (sort "
@@ -251,11 +253,10 @@ def main(argv=None) -> int:
     print_table("Host time of a lookup's steps (microseconds per call, device batch, k=1 uniform)",
                 ["step"] + list(splits), [[st] + [splits[c][st] for c in splits] for st in steps])
     print_table("Updates (ms, medians)",
-                ["case", "unique", "long rows", "argsort", "sort i64 keys", "plan", "ours SGD", "ours Adagrad", "torch fwd+bwd+step",
-                 "torch bwd+step", "floor", "torch/ours", "ours/floor"],
+                ["case", "unique", "long rows", "argsort", "sort i64 keys", "plan", "ours SGD", "ours Adagrad",
+                 "torch fwd+bwd+step", "torch bwd+step", "floor", "torch/ours", "ours/floor"],
                 [[r["case"], r["unique_rows"], r["long_rows"], r["sort_ms"], r["sort_int64_keys_ms"], r["plan_ms"],
-                  r["sgd_ms"],
-                  r["adagrad_ms"], r["torch_step_ms"], r["torch_bwd_step_ms"], r["update_floor_ms"],
+                  r["sgd_ms"], r["adagrad_ms"], r["torch_step_ms"], r["torch_bwd_step_ms"], r["update_floor_ms"],
                   r["torch_bwd_step_over_ours_sgd"], r["sgd_over_floor"]] for r in results])
     print_targets(targets)
     write_json(args.out, {"environment": environment(), "quick": args.quick, "copy_GBps": bw, "results": results,

@@ -99,7 +99,8 @@ def test_update_plan_groups_each_rows_entries_in_batch_order():
     assert p.NL == 0 and p.NC == 0
     hot = np.concatenate([np.full(40, 7), np.arange(5), np.full(1100, 3)])  # rows 7 and 3 are long
     p = ops.plan(be, hot)
-    assert p.NL == 2 and p.lstart.tolist() == [3, 1105] and p.lend.tolist() == [1104, 1145]  # rows 0..2 first, 4 between
+    # sorted: rows 0, 1, 2 (one entry each), 3 (1101), 4 (one), 7 (40)
+    assert p.NL == 2 and p.lstart.tolist() == [3, 1105] and p.lend.tolist() == [1104, 1145]
     assert reference.chunk_len(40) == 32 and reference.chunk_len(1101) == 34 and reference.chunk_len(1156) == 34
     assert p.lbase.tolist() == [0, -(-1101 // 34)] and p.NC == -(-1101 // 34) + 2
 

@@ -248,7 +248,8 @@ __device__ void update_short_body(T* W, int FT, int F, float* state, const T* gr
         e = run_end(srow, L, q, srow[q], C, false);
         active = e - q <= C;
     }
-    Entries<T, 4> src{grad, gstride, perm, q, e, off, B, k, w, mean};  /* 4 ahead: fewer registers, more rows in flight */
+    /* 4 entries ahead: fewer registers, more rows in flight */
+    Entries<T, 4> src{grad, gstride, perm, q, e, off, B, k, w, mean};
     apply_row(W, FT, F, state, opt, lr, eps, r, active, src);
 }
 
