@@ -5,18 +5,22 @@ without a copy), indices on the device as CuPy int32 arrays (torch and JAX read 
 buffer), ``batch`` bags of 1 and 40 lookups, uniform and Zipf(1) indices
 (``embeddings.distributions``). Rows, per case:
 
-* lookup: ``embeddings.lookup`` (validation on the device + one sync + kernel + JAX handoff),
-  the kernel alone (pre-validated batch), ``torch.nn.functional.embedding_bag(mode="sum")``,
-  and plain JAX ``jnp.take(W, I, axis=0).sum(1)``;
-* update: ``embeddings.pullback`` with SGD and row-wise Adagrad (validation + sorted plan +
-  fused kernel), against ``nn.EmbeddingBag(sparse=True)`` forward + backward + ``optim.SGD.step``
-  (and that minus its forward: the target compares with backward + step).
+* lookup: ``embeddings.lookup`` (device batch checked inside the kernel, one sync, JAX output),
+  the same through the driver without the JAX handoff (CuPy output), the kernel alone
+  (pre-validated batch; CUDA-event time), ``torch.nn.functional.embedding_bag(mode="sum")``,
+  plain JAX ``jnp.take(W, I, axis=0).sum(1)``, and ours from a host (numpy) batch;
+* update: ``embeddings.pullback`` with SGD and row-wise Adagrad, and its phases (the stable
+  argsort of the indices, the whole plan), against ``nn.EmbeddingBag(sparse=True)`` forward +
+  backward + ``optim.SGD.step`` (and that minus its forward: the target compares with backward +
+  step).
 
 Times are medians of CUDA-synchronised wall-clock runs. GB/s counts bytes moved once (rows and
-indices read, outputs written; an update reads and writes each unique row once) against the
-device-to-device copy bandwidth measured here (read + write). Targets: lookup at least as fast
-as torch in every case; pooled lookups (40 per bag) at >= 60% of the copy bandwidth; the SGD
-update >= 5x faster than torch's backward + step and within 1.5x of its memory-traffic floor.
+indices read, outputs written; an update reads and writes each unique row once and reads the
+gradient and the indices) against the device-to-device copy bandwidth measured here (read +
+write). Targets: lookup at least as fast as torch in every case; pooled lookups (40 per bag) at
+>= 60% of the copy bandwidth; the SGD update >= 5x faster than torch's backward + step and
+within 1.5x of its memory-traffic floor. A table of host-side costs (microseconds per call of
+each step of a lookup) shows where the time outside the kernel goes.
 10M rows (``--quick``: 1M rows, batch 8192). Writes ``results/gpu_embeddings.json``.
 """
 
@@ -26,6 +30,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 
 import numpy as np
 
@@ -49,6 +54,54 @@ def timed(fn, sync, repeats: int) -> float:
         sync()
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
+
+
+def event_time(cp, fn, repeats: int) -> float:
+    """Median seconds of ``fn`` on the GPU between two CUDA events (after one warm-up call)."""
+    fn()
+    ts = []
+    for _ in range(repeats):
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record()
+        fn()
+        e1.record()
+        e1.synchronize()
+        ts.append(cp.cuda.get_elapsed_time(e0, e1) / 1e3)
+    return statistics.median(ts)
+
+
+def host_split(cp, be, table, W, I, reps: int = 200) -> dict[str, float]:
+    """Microseconds of host time per call of each step of ``embeddings.lookup`` on a device batch
+    (launches are asynchronous; the sync row waits for the kernel)."""
+    import jax
+
+    import embeddings as E
+    from embeddings.gpu import ops, tables
+
+    def per_call(fn) -> float:
+        fn()
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        t = (time.perf_counter() - t0) / reps
+        cp.cuda.Device().synchronize()
+        return t * 1e6
+
+    flags = be.flags(3)
+    bags, _, _ = ops.device_bags(be, table.name, W.shape[0], I, flags=flags, fused=True)
+    out = cp.empty((bags.nout, W.shape[1]), cp.float32)
+    return {
+        "flags": per_call(lambda: be.flags(3)),
+        "device_bags": per_call(lambda: ops.device_bags(be, table.name, W.shape[0], I, flags=flags, fused=True)),
+        "empty output": per_call(lambda: cp.empty((bags.nout, W.shape[1]), cp.float32)),
+        "kernel launch": per_call(lambda: ops.run_pooled(be, out, W, bags)),
+        "launch + sync": per_call(lambda: (ops.run_pooled(be, out, W, bags), be.sync())),
+        "JAX handoff (ours)": per_call(lambda: tables.as_output(out)),
+        "JAX handoff (jax.dlpack)": per_call(lambda: jax.dlpack.from_dlpack(out)),
+        "ops.lookup (CuPy out)": per_call(lambda: ops.lookup(be, table.name, W, I)),
+        "embeddings.lookup": per_call(lambda: E.lookup(table, I)),
+    }
 
 
 def copy_bandwidth(cp, nbytes: int, repeats: int) -> float:
@@ -95,7 +148,7 @@ def main(argv=None) -> int:
     print(f"GPU embeddings benchmark ({'quick' if args.quick else 'full'}): {nrows} rows, batch {batch}; "
           f"device copy bandwidth {bw:.0f} GB/s (read + write)")
     be = cuda_backend()
-    results, targets = [], {}
+    results, targets, splits = [], {}, {}
     for F in (64, 256):
         W = cp.random.default_rng(F).standard_normal((nrows, F), dtype=cp.float32) * 0.01
         table = E.SimpleEmbedding(W, f"t{F}")
@@ -108,76 +161,106 @@ def main(argv=None) -> int:
         for k in (1, 40):
             for dist in ("uniform", "zipf"):
                 case = f"F={F} k={k} {dist}"
-                I = cp.asarray(indices_for(dist, nrows, (batch, k), seed=k))
-                It = torch.from_dlpack(I)
-                Ij = jax.dlpack.from_dlpack(I)
-                L = batch * k
-                bags, _, _ = ops.device_bags(be, table.name, nrows, I)
-                out = cp.empty((batch, F), cp.float32)
-                # correctness in the same run: ours against torch on this data
-                ours = np.asarray(E.lookup(table, I))
-                ref = torch.nn.functional.embedding_bag(It, Wt, mode="sum").cpu().numpy()
-                err = float(np.abs(ours - ref).max())
-                t_api = timed(lambda: E.lookup(table, I), sync, reps)
-                t_kernel = timed(lambda: ops.run_pooled(be, out, W, bags), sync, reps)
-                t_torch = timed(lambda: torch.nn.functional.embedding_bag(It, Wt, mode="sum"), sync, reps)
-                t_jax = timed(lambda: jtake(Wj, Ij).block_until_ready(), sync, reps)
-                lbytes = L * F * 4 + L * 4 + batch * F * 4
-                g = cp.random.default_rng(1).standard_normal((batch, F), dtype=cp.float32)
-                gt = torch.from_dlpack(g)
-                U = int(cp.unique(I).size)
-                ubytes = batch * F * 4 + L * 4 + 2 * U * F * 4
-                t_sgd = timed(lambda: E.pullback(table, g, I, optimizer=E.SGD(1e-4)), sync, reps)
-                ada = E.RowwiseAdagrad(1e-4)
-                t_ada = timed(lambda: E.pullback(table, g, I, optimizer=ada), sync, reps)
-                del ada
+                try:  # one failing case must not lose the others' measurements
+                    I = cp.asarray(indices_for(dist, nrows, (batch, k), seed=k))
+                    It = torch.from_dlpack(I)
+                    Ij = jax.dlpack.from_dlpack(I)
+                    L = batch * k
+                    bags, _, _ = ops.device_bags(be, table.name, nrows, I, flags=be.flags(3))
+                    out = cp.empty((batch, F), cp.float32)
+                    I_host = I.get()
+                    # correctness in the same run: ours against torch on this data
+                    ours = np.asarray(E.lookup(table, I))
+                    ref = torch.nn.functional.embedding_bag(It, Wt, mode="sum").cpu().numpy()
+                    err = float(np.abs(ours - ref).max())
+                    t_api = timed(lambda: E.lookup(table, I), sync, reps)
+                    t_ops = timed(lambda: ops.lookup(be, table.name, W, I), sync, reps)
+                    t_host_idx = timed(lambda: E.lookup(table, I_host), sync, reps)
+                    t_kernel = event_time(cp, lambda: ops.run_pooled(be, out, W, bags), reps)
+                    t_torch = timed(lambda: torch.nn.functional.embedding_bag(It, Wt, mode="sum"), sync, reps)
+                    t_jax = timed(lambda: jtake(Wj, Ij).block_until_ready(), sync, reps)
+                    if k == 1 and dist == "uniform":
+                        splits[f"F={F}"] = host_split(cp, be, table, W, I)
+                    lbytes = L * F * 4 + L * 4 + batch * F * 4
+                    g = cp.random.default_rng(1).standard_normal((batch, F), dtype=cp.float32)
+                    gt = torch.from_dlpack(g)
+                    U = int(cp.unique(I).size)
+                    ubytes = batch * F * 4 + L * 4 + 2 * U * F * 4
+                    flat = I.reshape(-1)
+                    t_sort = timed(lambda: be.argsort(flat), sync, reps)
+                    pbits = max(1, (L - 1).bit_length())  # the alternative: one sort of (row << pbits | position)
+                    packed = (flat.astype(cp.int64) << pbits) | cp.arange(L, dtype=cp.int64)
+                    t_sort64 = timed(lambda: cp.sort(packed), sync, reps)
+                    del packed
+                    t_plan = timed(lambda: ops.plan(be, flat), sync, reps)
+                    plan = ops.plan(be, flat)
+                    t_sgd = timed(lambda: E.pullback(table, g, I, optimizer=E.SGD(1e-4)), sync, reps)
+                    ada = E.RowwiseAdagrad(1e-4)
+                    t_ada = timed(lambda: E.pullback(table, g, I, optimizer=ada), sync, reps)
+                    del ada
 
-                def torch_step():
-                    topt.zero_grad(set_to_none=True)
-                    emb(It).backward(gt)
-                    topt.step()
+                    def torch_step():
+                        topt.zero_grad(set_to_none=True)
+                        emb(It).backward(gt)
+                        topt.step()
 
-                t_tstep = timed(torch_step, sync, reps)
-                t_tfwd = timed(lambda: emb(It), sync, reps)
-                t_tbwd = max(t_tstep - t_tfwd, 1e-9)
-                r = {"case": case, "F": F, "k": k, "dist": dist, "rows": nrows, "batch": batch, "unique_rows": U,
-                     "max_abs_diff_vs_torch": err,
-                     "lookup_ms": t_api * 1e3, "lookup_kernel_ms": t_kernel * 1e3, "torch_lookup_ms": t_torch * 1e3,
-                     "jax_take_sum_ms": t_jax * 1e3, "lookup_GBps": lbytes / t_api / 1e9,
-                     "lookup_kernel_GBps": lbytes / t_kernel / 1e9, "lookup_bw_fraction": lbytes / t_api / 1e9 / bw,
-                     "torch_over_ours_lookup": t_torch / t_api,
-                     "sgd_ms": t_sgd * 1e3, "adagrad_ms": t_ada * 1e3, "torch_step_ms": t_tstep * 1e3,
-                     "torch_bwd_step_ms": t_tbwd * 1e3, "update_floor_ms": ubytes / (bw * 1e9) * 1e3,
-                     "torch_bwd_step_over_ours_sgd": t_tbwd / t_sgd, "sgd_over_floor": t_sgd / (ubytes / (bw * 1e9))}
-                results.append(r)
-                print(f"  {case}: lookup {r['lookup_ms']:.3f} ms (kernel {r['lookup_kernel_ms']:.3f}) torch "
-                      f"{r['torch_lookup_ms']:.3f} jax {r['jax_take_sum_ms']:.3f}; sgd {r['sgd_ms']:.3f} adagrad "
-                      f"{r['adagrad_ms']:.3f} torch step {r['torch_step_ms']:.3f}; max |ours - torch| {err:.2e}",
-                      flush=True)
-                targets[f"{case}: lookup <= torch ({r['lookup_ms']:.3f} vs {r['torch_lookup_ms']:.3f} ms)"] = \
-                    t_api <= t_torch
-                if k > 1:
-                    targets[f"{case}: lookup >= 60% of copy bandwidth ({100 * r['lookup_bw_fraction']:.0f}%)"] = \
-                        r["lookup_bw_fraction"] >= 0.6
-                targets[f"{case}: SGD >= 5x torch backward+step ({r['torch_bwd_step_over_ours_sgd']:.1f}x)"] = \
-                    r["torch_bwd_step_over_ours_sgd"] >= 5
-                targets[f"{case}: SGD within 1.5x of its traffic floor ({r['sgd_over_floor']:.2f}x)"] = \
-                    r["sgd_over_floor"] <= 1.5
-                del I, It, Ij, bags, out, g, gt
+                    t_tstep = timed(torch_step, sync, reps)
+                    t_tfwd = timed(lambda: emb(It), sync, reps)
+                    t_tbwd = max(t_tstep - t_tfwd, 1e-9)
+                    r = {"case": case, "F": F, "k": k, "dist": dist, "rows": nrows, "batch": batch, "unique_rows": U,
+                         "long_rows": plan.NL, "chunks": plan.NC, "max_abs_diff_vs_torch": err,
+                         "lookup_ms": t_api * 1e3, "lookup_cupy_ms": t_ops * 1e3,
+                         "lookup_host_indices_ms": t_host_idx * 1e3,
+                         "lookup_kernel_ms": t_kernel * 1e3, "torch_lookup_ms": t_torch * 1e3,
+                         "jax_take_sum_ms": t_jax * 1e3, "lookup_GBps": lbytes / t_api / 1e9,
+                         "lookup_kernel_GBps": lbytes / t_kernel / 1e9, "lookup_bw_fraction": lbytes / t_api / 1e9 / bw,
+                         "lookup_kernel_bw_fraction": lbytes / t_kernel / 1e9 / bw,
+                         "torch_over_ours_lookup": t_torch / t_api,
+                         "sort_ms": t_sort * 1e3, "sort_int64_keys_ms": t_sort64 * 1e3, "plan_ms": t_plan * 1e3,
+                         "sgd_ms": t_sgd * 1e3, "adagrad_ms": t_ada * 1e3, "torch_step_ms": t_tstep * 1e3,
+                         "torch_bwd_step_ms": t_tbwd * 1e3, "update_floor_ms": ubytes / (bw * 1e9) * 1e3,
+                         "torch_bwd_step_over_ours_sgd": t_tbwd / t_sgd,
+                         "sgd_over_floor": t_sgd / (ubytes / (bw * 1e9))}
+                    results.append(r)
+                    print(f"  {case}: lookup {r['lookup_ms']:.3f} ms (kernel {r['lookup_kernel_ms']:.3f}) torch "
+                          f"{r['torch_lookup_ms']:.3f} jax {r['jax_take_sum_ms']:.3f}; sgd {r['sgd_ms']:.3f} (sort "
+                          f"{r['sort_ms']:.3f} plan {r['plan_ms']:.3f}) adagrad {r['adagrad_ms']:.3f} torch step "
+                          f"{r['torch_step_ms']:.3f}; max |ours - torch| {err:.2e}", flush=True)
+                    targets[f"{case}: lookup <= torch ({r['lookup_ms']:.3f} vs {r['torch_lookup_ms']:.3f} ms)"] = \
+                        t_api <= t_torch
+                    if k > 1:
+                        targets[f"{case}: lookup >= 60% of copy bandwidth ({100 * r['lookup_bw_fraction']:.0f}%)"] = \
+                            r["lookup_bw_fraction"] >= 0.6
+                    targets[f"{case}: SGD >= 5x torch backward+step ({r['torch_bwd_step_over_ours_sgd']:.1f}x)"] = \
+                        r["torch_bwd_step_over_ours_sgd"] >= 5
+                    targets[f"{case}: SGD within 1.5x of its traffic floor ({r['sgd_over_floor']:.2f}x)"] = \
+                        r["sgd_over_floor"] <= 1.5
+                    del plan, flat, I, It, Ij, bags, out, g, gt
+                except Exception:
+                    traceback.print_exc()
+                    print(f"  {case}: FAILED (traceback above)", flush=True)
+                    targets[f"{case}: ran"] = False
         del table, Wt, Wj, emb, topt, W
         cp.get_default_memory_pool().free_all_blocks()
         torch.cuda.empty_cache()
-    print_table("Lookups (ms, medians; GB/s of rows read + output written)",
-                ["case", "ours", "kernel", "torch", "jax take+sum", "GB/s", "% copy bw", "torch/ours"],
-                [[r["case"], r["lookup_ms"], r["lookup_kernel_ms"], r["torch_lookup_ms"], r["jax_take_sum_ms"],
-                  r["lookup_GBps"], 100 * r["lookup_bw_fraction"], r["torch_over_ours_lookup"]] for r in results])
+    print_table("Lookups (ms, medians; GB/s of rows read + output written; % of the copy bandwidth)",
+                ["case", "ours", "ours CuPy out", "kernel", "torch", "jax take+sum", "ours host idx", "GB/s",
+                 "% copy bw", "kernel %", "torch/ours"],
+                [[r["case"], r["lookup_ms"], r["lookup_cupy_ms"], r["lookup_kernel_ms"], r["torch_lookup_ms"],
+                  r["jax_take_sum_ms"], r["lookup_host_indices_ms"], r["lookup_GBps"], 100 * r["lookup_bw_fraction"],
+                  100 * r["lookup_kernel_bw_fraction"], r["torch_over_ours_lookup"]] for r in results])
+    steps = list(next(iter(splits.values()))) if splits else []
+    print_table("Host time of a lookup's steps (microseconds per call, device batch, k=1 uniform)",
+                ["step"] + list(splits), [[st] + [splits[c][st] for c in splits] for st in steps])
     print_table("Updates (ms, medians)",
-                ["case", "unique", "ours SGD", "ours Adagrad", "torch fwd+bwd+step", "torch bwd+step", "floor",
-                 "torch/ours", "ours/floor"],
-                [[r["case"], r["unique_rows"], r["sgd_ms"], r["adagrad_ms"], r["torch_step_ms"], r["torch_bwd_step_ms"],
-                  r["update_floor_ms"], r["torch_bwd_step_over_ours_sgd"], r["sgd_over_floor"]] for r in results])
+                ["case", "unique", "long rows", "argsort", "sort i64 keys", "plan", "ours SGD", "ours Adagrad",
+                 "torch fwd+bwd+step", "torch bwd+step", "floor", "torch/ours", "ours/floor"],
+                [[r["case"], r["unique_rows"], r["long_rows"], r["sort_ms"], r["sort_int64_keys_ms"], r["plan_ms"],
+                  r["sgd_ms"], r["adagrad_ms"], r["torch_step_ms"], r["torch_bwd_step_ms"], r["update_floor_ms"],
+                  r["torch_bwd_step_over_ours_sgd"], r["sgd_over_floor"]] for r in results])
     print_targets(targets)
     write_json(args.out, {"environment": environment(), "quick": args.quick, "copy_GBps": bw, "results": results,
+                          "host_split_us": splits,
                           "targets": {k: verdict(v) for k, v in targets.items()}})
     return 0
 

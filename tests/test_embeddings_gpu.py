@@ -17,7 +17,7 @@ import pytest
 
 import embeddings as E
 from cachedarrays.devices import gpu as gpu_device
-from embeddings.gpu import cuda, ops
+from embeddings.gpu import cuda, ops, reference
 from embeddings.gpu.backend import ReferenceBackend
 
 F_SIZES = (8, 12, 64, 256)
@@ -94,10 +94,43 @@ def test_reference_update_matches_the_cpu_pullback(opt, device_indices):
 def test_update_plan_groups_each_rows_entries_in_batch_order():
     be = ReferenceBackend()
     idx = np.array([5, 2, 5, 9, 2, 5], np.int64)
-    keys, pbits, starts, U = ops.plan(be, idx, 10)
-    rows, pos = keys >> pbits, keys & ((1 << pbits) - 1)
-    assert U == 3 and rows[starts[:U]].tolist() == [2, 5, 9] and starts.tolist() == [0, 2, 5, 6]
-    assert pos.tolist() == [1, 4, 0, 2, 5, 3]
+    p = ops.plan(be, idx)
+    assert p.srow.tolist() == [2, 2, 5, 5, 5, 9] and p.perm.tolist() == [1, 4, 0, 2, 5, 3]
+    assert p.NL == 0 and p.NC == 0
+    hot = np.concatenate([np.full(40, 7), np.arange(5), np.full(1100, 3)])  # rows 7 and 3 are long
+    p = ops.plan(be, hot)
+    # sorted: rows 0, 1, 2 (one entry each), 3 (1101), 4 (one), 7 (40)
+    assert p.NL == 2 and p.lstart.tolist() == [3, 1105] and p.lend.tolist() == [1104, 1145]
+    assert reference.chunk_len(40) == 32 and reference.chunk_len(1101) == 34 and reference.chunk_len(1156) == 34
+    assert p.lbase.tolist() == [0, -(-1101 // 34)] and p.NC == -(-1101 // 34) + 2
+
+
+def test_long_rows_sum_in_chunks_whose_sums_add_in_chunk_order():
+    """A row of more than CHUNK entries: chunk_len(n) entries per chunk, each summed in batch order,
+    the chunk sums added in order; shorter rows in batch order. Exact, on the reference backend."""
+    rng = np.random.default_rng(11)
+    F, n = 8, 1100
+    W = table(rng, 6, F)
+    idx = np.concatenate([np.full(n, 4), [1, 2, 1]])[rng.permutation(n + 3)].reshape(-1, 1)
+    g = (rng.standard_normal((n + 3, F)) * 10.0 ** rng.integers(-3, 3, (n + 3, 1))).astype(np.float32)
+    got = W.copy()
+    ops.pullback(ReferenceBackend(), "t", got, None, g, idx, optimizer=E.SGD(0.5))
+    pos = np.flatnonzero(idx[:, 0] == 4)
+    cl = reference.chunk_len(n)
+    acc = np.zeros(F, np.float32)
+    for a in range(0, n, cl):
+        part = np.zeros(F, np.float32)
+        for p in pos[a:a + cl]:
+            part = part + g[p]
+        acc = acc + part
+    assert cl == 34 and np.array_equal(got[4], W[4] - np.float32(0.5) * acc)
+    one = np.flatnonzero(idx[:, 0] == 1)
+    assert np.array_equal(got[1], W[1] - np.float32(0.5) * (np.zeros(F, np.float32) + g[one[0]] + g[one[1]]))
+    serial = np.zeros(F, np.float32)
+    for p in pos:
+        serial = serial + g[p]
+    assert not np.array_equal(acc, serial)  # the chunk order is a different order (this batch tells them apart)
+    np.testing.assert_allclose(acc, g[pos].astype(np.float64).sum(0), rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.parametrize("device_indices", [False, True])
@@ -144,8 +177,20 @@ def test_cuda_source_compiles_with_nvcc(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     ptx = (tmp_path / "k.ptx").read_text()
-    for name in ("pooled_v4_i32", "pooled_v1_i64", "update_v4", "update_v1", "bad_index_i32", "nonfinite_row"):
+    for name in ("pooled_v4_i32", "pooled_v1_i64", "update_short_v4_i32", "update_long_v1_i64", "chunk_sums_v4",
+                 "sorted_rows_i64", "long_rows_i32", "check_i32"):
         assert f".entry {name}(" in ptx
+
+
+def test_jax_handoff_falls_back_to_jax_dlpack_for_good_when_the_direct_import_fails():
+    import jax
+    from embeddings.gpu.handoff import _Handoff
+    h = _Handoff()
+    h.enabled = True  # as on a GPU; a numpy array makes the direct import fail (no CUDA device)
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    x = h(a)
+    assert h.direct is False and isinstance(x, jax.Array) and np.array_equal(np.asarray(x), a)
+    assert np.array_equal(np.asarray(h(a + 1)), a + 1) and h.direct is False
 
 
 def test_numpy_tables_never_take_the_gpu_path():
@@ -295,3 +340,63 @@ def test_gpu_ensemble_matches_the_cpu():
     with pytest.raises(IndexError, match=r"t2: index 1000000 at position \(5, 3\)"):
         ens.pullback(cp.asarray(g), bad, optimizer=E.SGD(0.1))
     assert all(np.array_equal(d.get(), b) for d, b in zip(dev, before))
+
+
+def _skewed_batch(rng, nvec: int, L: int):
+    """Indices with one row of about half the entries, a few of ~40 and many singles (long and short rows)."""
+    idx = rng.integers(0, nvec, L)
+    idx[rng.random(L) < 0.5] = 3
+    idx[rng.random(L) < 0.1] = rng.integers(0, 5, 1)[0] + 10
+    return idx
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
+@pytest.mark.parametrize("opt", [E.SGD, E.RowwiseAdagrad])
+def test_gpu_update_equals_the_reference_bit_for_bit(opt):
+    """The CUDA update kernels (short rows, chunked long rows, both optimizers, float4 and float
+    rows, int32/int64 and host/device indices, sum/mean/weighted) against the numpy reference."""
+    import cupy as cp
+    from embeddings.gpu.backend import cuda_backend
+    rng = np.random.default_rng(12)
+    for F, mode, weighted, dtype in ((64, "sum", False, np.int32), (256, "mean", False, np.int64),
+                                     (10, "sum", True, np.int64), (12, "mean", True, np.int32)):
+        nvec, B, k = 5000, 512, 8
+        W = table(rng, nvec, F)
+        idx = _skewed_batch(rng, nvec, B * k).astype(dtype).reshape(B, k)
+        w = rng.random(idx.shape).astype(np.float32) if weighted else None
+        g = rng.standard_normal((B, F)).astype(np.float32)
+        ref, ref_state = W.copy(), np.full(nvec, 0.25, np.float32)
+        ops.pullback(ReferenceBackend(), "t", ref, ref_state, g, idx, mode=mode, weights=w, optimizer=opt(0.05))
+        for device_idx in (False, True):
+            dev, state = cp.asarray(W), cp.full(nvec, 0.25, cp.float32)
+            ix = cp.asarray(idx) if device_idx else idx
+            ops.pullback(cuda_backend(), "t", dev, state, cp.asarray(g), ix, mode=mode,
+                         weights=None if w is None else (cp.asarray(w) if device_idx else w), optimizer=opt(0.05))
+            got = dev.get()
+            assert np.array_equal(got, ref), (F, mode, weighted, device_idx, np.abs(got - ref).max())
+            if opt is E.RowwiseAdagrad:
+                assert np.array_equal(state.get(), ref_state)
+        plan = ops.plan(ReferenceBackend(), idx.reshape(-1))
+        assert plan.NL >= 2 and plan.perm.size - plan.NL > 100  # long and short rows both ran
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
+def test_gpu_device_batch_errors_leave_outputs_and_tables_unwritten():
+    import cupy as cp
+    rng = np.random.default_rng(13)
+    W = table(rng, 100, 64)
+    t = E.SimpleEmbedding(cp.asarray(W), "emb")
+    bad = cp.asarray(np.array([[1, 2], [3, 4], [0, -5]], np.int32))
+    out = cp.full((3, 64), 7.0, cp.float32)
+    with pytest.raises(IndexError, match=r"emb: index -5 at position \(2, 1\)"):
+        E.lookup_into(out, t, bad)
+    assert bool((out == 7).all())
+    with pytest.raises(ValueError, match="offsets"):
+        E.lookup(t, cp.asarray([1, 2, 3]), cp.asarray([0, 2, 4]), mode="sum")
+    with pytest.raises(IndexError, match="emb: index -5"):
+        E.pullback(t, cp.ones((3, 64), cp.float32), bad, optimizer=E.SGD(0.1))
+    assert np.array_equal(t.data.get(), W)
+    ok = cp.asarray(np.array([[1, 2], [3, 4], [0, 5]], np.int32))
+    assert np.array_equal(np.asarray(E.lookup(t, ok)), E.lookup(E.SimpleEmbedding(W), ok.get()))

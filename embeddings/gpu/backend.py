@@ -4,11 +4,16 @@ The driver (:mod:`.ops`: validation, update plan, dispatch) is written once agai
 interface. ``CudaBackend`` runs it on a GPU (CuPy arrays, the :mod:`.cuda` kernels);
 ``ReferenceBackend`` runs the same driver on the host (numpy arrays stand in for device memory,
 the Pallas kernel of :mod:`.reference` in interpret mode does the lookups, a numpy transcription
-of the CUDA update kernel the updates), so CI without a GPU tests everything but the CUDA source.
+of the CUDA update kernels the updates), so CI without a GPU tests everything but the CUDA source.
+
+Checks of unchecked device batches do not stop the host: kernels set flags (three per batch:
+index, offsets, gradient) in host memory the device writes through its mapped address, and the
+driver reads them after the next synchronisation, before anything is written.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -16,9 +21,22 @@ import numpy as np
 from . import cuda, reference
 
 
+class Plan:
+    """An update's plan: ``perm`` sorts the batch positions by row (stable), ``srow[q]`` is the row
+    of sorted entry ``q``, so each row's entries are a run of equal ``srow``; the runs of more than
+    ``reference.CHUNK`` entries (long rows) are ``[lstart[s], lend[s])`` with their chunk sums at
+    ``lbase[s]...``; ``NL`` long rows and ``NC`` chunk sums in all."""
+
+    __slots__ = ("perm", "srow", "lstart", "lend", "lbase", "NL", "NC")
+
+    def __init__(self, perm, srow, lstart, lend, lbase, NL: int, NC: int) -> None:
+        self.perm, self.srow, self.lstart, self.lend, self.lbase = perm, srow, lstart, lend, lbase
+        self.NL, self.NC = NL, NC
+
+
 class ReferenceBackend:
     """numpy arrays as "device" arrays. ``device_indices``: treat numpy index arrays as already on
-    the device (validated by :meth:`validate`, as CuPy/JAX indices are) instead of host arrays."""
+    the device (validated by the check flags, as CuPy/JAX indices are) instead of host arrays."""
 
     xp = np
 
@@ -34,25 +52,51 @@ class ReferenceBackend:
     def to_host(self, x: Any) -> np.ndarray:
         return np.asarray(x)
 
-    def validate(self, idx, n, off, grad) -> tuple[int, int, int]:
-        """(first out-of-range position, first bag with off[b+1] < off[b], first non-finite grad row), -1 for none."""
-        bad_i = np.flatnonzero((idx.reshape(-1) < 0) | (idx.reshape(-1) >= n)) if idx is not None else ()
-        bad_o = np.flatnonzero(off[1:] < off[:-1]) if off is not None else ()
-        bad_g = np.flatnonzero(~np.isfinite(grad).all(axis=1)) if grad is not None and grad.size else ()
-        return tuple(int(a[0]) if len(a) else -1 for a in (bad_i, bad_o, bad_g))
+    def flags(self, n: int) -> np.ndarray:
+        return np.zeros(n, np.int32)
 
-    def make_keys(self, idx, pbits: int) -> np.ndarray:
-        return (idx.astype(np.int64) << pbits) | np.arange(idx.size, dtype=np.int64)
+    def sync(self) -> None:
+        pass
 
-    def row_heads(self, keys, pbits: int) -> np.ndarray:
-        rows = keys >> pbits
-        return np.concatenate(([True], rows[1:] != rows[:-1])).astype(np.int32)
+    def check(self, flags, slot: int, idx, n: int, off, grad) -> None:
+        """Set ``flags[slot + 0/1/2]`` for a bad index, bad offsets, a non-finite gradient."""
+        if idx is not None and idx.size and ((idx < 0) | (idx >= n)).any():
+            flags[slot] = 1
+        if off is not None and (off[0] != 0 or off[-1] != (idx.size if idx is not None else 0)
+                                or (off[1:] < off[:-1]).any()):
+            flags[slot + 1] = 1
+        if grad is not None and grad.size and not np.isfinite(grad).all():
+            flags[slot + 2] = 1
 
-    def pooled(self, out, W, idx, off, k, w, mean) -> None:
+    def pooled(self, out, W, idx, off, k, w, mean, flags=None, slot: int = 0) -> None:
+        if flags is not None:  # an unchecked batch: the CUDA kernel checks as it reads
+            self.check(flags, slot, idx, W.shape[0], off, None)
+            if flags[slot] or flags[slot + 1]:
+                flags[slot] = 1  # the kernel has one flag for both
+                return
         reference.pooled_into(out, W, idx, off, k, w, mean)
 
-    def update(self, W, state, grad, keys, pbits, starts, U, off, B, k, w, mean, opt, lr, eps) -> None:
-        reference.update(W, state, grad, keys, pbits, starts, U, off, B, k, w, mean, opt, lr, eps)
+    def argsort(self, idx) -> np.ndarray:
+        return np.argsort(idx, kind="stable").astype(np.int64)
+
+    def sorted_rows(self, idx, perm) -> np.ndarray:
+        return idx[perm]
+
+    def long_rows(self, srow, L: int, C: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+        """(first entries, ends and first chunk sums of the runs of more than ``C`` entries, how many,
+        chunk sums in all), in row order."""
+        heads = np.flatnonzero(np.concatenate(([True], srow[1:] != srow[:-1])))
+        ends = np.append(heads[1:], L)
+        long = (ends - heads) > C
+        lstart, lend = heads[long].astype(np.int64), ends[long].astype(np.int64)
+        nch = np.array([-(-int(n) // reference.chunk_len(int(n), C)) for n in lend - lstart], np.int64)
+        lbase = (np.cumsum(nch) - nch).astype(np.int64)
+        return lstart, lend, lbase, int(lstart.size), int(nch.sum())
+
+    def update(self, W, state, grad, plan: Plan, off, B, k, w, mean, opt, lr, eps) -> None:
+        F = W.shape[1]
+        reference.update(W, state, grad, plan.perm, plan.srow, off, B, k, w, mean, opt, lr, eps,
+                         4 if F % 4 == 0 else 1)
 
 
 class CudaBackend:
@@ -61,6 +105,7 @@ class CudaBackend:
     def __init__(self) -> None:
         from cachedarrays.devices.gpu import cupy
         self.xp = cupy()
+        self._local = threading.local()
 
     def is_device(self, x: Any) -> bool:
         return isinstance(x, self.xp.ndarray) or (hasattr(x, "__dlpack_device__") and not isinstance(x, np.ndarray)
@@ -70,6 +115,8 @@ class CudaBackend:
         """On the device: CuPy arrays as they are, other device arrays (JAX) through DLPack without
         a copy, host arrays uploaded."""
         cp = self.xp
+        if type(x) is cp.ndarray and (dtype is None or x.dtype == dtype):
+            return x
         if not isinstance(x, cp.ndarray) and not isinstance(x, np.ndarray) and hasattr(x, "__dlpack__") \
                 and self.is_device(x):
             x = cp.from_dlpack(x)
@@ -78,54 +125,100 @@ class CudaBackend:
     def to_host(self, x: Any) -> np.ndarray:
         return self.asarray(x).get()
 
-    def validate(self, idx, n, off, grad) -> tuple[int, int, int]:
-        """Every check in flight at once, then one host sync for the three answers."""
-        cp = self.xp
-        big = np.iinfo(np.int64).max
-        res = cp.full(3, big, cp.uint64)
-        if idx is not None and idx.size:
-            name = "bad_index_i32" if idx.dtype == np.int32 else "bad_index_i64"
-            cuda.kernel(name)(*cuda.grid_1d(idx.size), (idx, np.int64(idx.size), np.int64(n), res[0:]))
-        if off is not None and off.size > 1:
-            cuda.kernel("bad_offset")(*cuda.grid_1d(off.size - 1), (off, np.int64(off.size - 1), res[1:]))
-        if grad is not None and grad.size:
-            cuda.kernel("nonfinite_row")(*cuda.grid_1d(grad.size), (grad, np.int64(grad.shape[0]),
-                                                                   np.int32(grad.shape[1]),
-                                                                   np.int64(grad.strides[0] // 4), res[2:]))
-        host = res.get()
-        return tuple(-1 if v == big else int(v) for v in host)
+    def flags(self, n: int) -> np.ndarray:
+        """``n`` zeroed int32 flags in page-locked host memory that kernels write through its mapped
+        address (unified addressing: the same pointer). Taken in turn from a ring per thread, so a
+        call that raised before its checks finished cannot set a later call's flags."""
+        ring = getattr(self._local, "ring", None)
+        if ring is None or ring.size < 64 * n:
+            size = max(4096, 64 * n)
+            ring = self._local.ring = np.frombuffer(self.xp.cuda.alloc_pinned_memory(size * 4), np.int32, size)
+            self._local.cursor = 0
+        at = self._local.cursor if self._local.cursor + n <= ring.size else 0
+        self._local.cursor = at + n
+        view = ring[at:at + n]
+        view[:] = 0
+        return view
 
-    def make_keys(self, idx, pbits: int) -> Any:
-        keys = self.xp.empty(idx.size, self.xp.int64)
-        name = "make_keys_i32" if idx.dtype == np.int32 else "make_keys_i64"
-        cuda.kernel(name)(*cuda.grid_1d(idx.size), (idx, np.int64(idx.size), np.int32(pbits), keys))
-        return keys
+    def sync(self) -> None:
+        self.xp.cuda.get_current_stream().synchronize()
 
-    def row_heads(self, keys, pbits: int) -> Any:
-        heads = self.xp.empty(keys.size, self.xp.int32)
-        cuda.kernel("row_heads")(*cuda.grid_1d(keys.size), (keys, np.int64(keys.size), np.int32(pbits), heads))
-        return heads
+    def check(self, flags, slot: int, idx, n: int, off, grad) -> None:
+        """One kernel over indices, offsets and gradient (any of them None)."""
+        base = np.uint64(flags.ctypes.data + 4 * slot)
+        L = 0 if idx is None else idx.size
+        B = 0 if off is None else off.size - 1
+        name = "check_i32" if idx is not None and idx.dtype == np.int32 else "check_i64"
+        rows = 0 if grad is None else grad.shape[0]
+        F = 0 if grad is None else grad.shape[1]
+        work = max(L, B, rows * F, 1)
+        cuda.kernel(name)(*cuda.grid_1d(work), (
+            cuda.ptr(idx if L else None), np.int64(L), np.int64(n), cuda.ptr(off), np.int64(B),
+            cuda.ptr(grad if rows * F else None), np.int64(rows), np.int32(F),
+            np.int64(0 if grad is None else grad.strides[0] // 4), base))
 
-    def pooled(self, out, W, idx, off, k, w, mean) -> None:
+    def pooled(self, out, W, idx, off, k, w, mean, flags=None, slot: int = 0) -> None:
         B, F = out.shape
         v4 = _vec4(F, W, out)
         FT = F // 4 if v4 else F
         g, rows = cuda.group(FT, pow2=False)
-        name = f"pooled_{'v4' if v4 else 'v1'}_{'i32' if idx.dtype == np.int32 else 'i64'}"
+        name = _POOLED[v4, idx.dtype == np.int32]
+        bad = cuda.NULL if flags is None else np.uint64(flags.ctypes.data + 4 * slot)  # index and offset errors
         cuda.kernel(name)((-(-B // rows),), (g, rows),
                           (W, np.int32(FT), idx, cuda.ptr(off), np.int64(k), cuda.ptr(w), np.int32(mean), out,
-                           np.int64(out.strides[0] // (16 if v4 else 4)), np.int64(B)))
+                           np.int64(out.strides[0] // (16 if v4 else 4)), np.int64(B), np.int64(W.shape[0]),
+                           np.int64(idx.size), bad))
 
-    def update(self, W, state, grad, keys, pbits, starts, U, off, B, k, w, mean, opt, lr, eps) -> None:
+    def argsort(self, idx) -> Any:
+        return self.xp.argsort(idx)  # CuPy's sorts are stable (thrust stable_sort_by_key)
+
+    def sorted_rows(self, idx, perm) -> Any:
+        srow = self.xp.empty(perm.size, idx.dtype)
+        name = "sorted_rows_i32" if idx.dtype == np.int32 else "sorted_rows_i64"
+        cuda.kernel(name)(*cuda.grid_1d(perm.size), (idx, perm, np.int64(perm.size), srow))
+        return srow
+
+    def long_rows(self, srow, L: int, C: int) -> tuple[Any, Any, Any, int, int]:
+        """The long rows' runs, in slot order; one sync for their count."""
+        cp = self.xp
+        cap = L // (C + 1) + 1
+        counter = cp.zeros(1, cp.uint64)
+        lstart, lend, lbase = (cp.empty(cap, cp.int64) for _ in range(3))
+        name = "long_rows_i32" if srow.dtype == np.int32 else "long_rows_i64"
+        cuda.kernel(name)(*cuda.grid_1d(L), (srow, np.int64(L), np.int64(C), counter, lstart, lend, lbase))
+        packed = int(counter.get()[0])
+        return lstart, lend, lbase, packed >> 40, packed & ((1 << 40) - 1)
+
+    def update(self, W, state, grad, plan: Plan, off, B, k, w, mean, opt, lr, eps) -> None:
         F = W.shape[1]
+        L = plan.perm.size
         v4 = _vec4(F, W, grad)
         FT = F // 4 if v4 else F
         g, rows = cuda.group(FT, pow2=True)
-        cuda.kernel("update_v4" if v4 else "update_v1")(
-            (-(-U // rows),), (g, rows),
-            (W, np.int32(FT), np.int32(F), cuda.ptr(state), grad, np.int64(grad.strides[0] // (16 if v4 else 4)),
-             keys, np.int32(pbits), starts, np.int64(U), cuda.ptr(off), np.int64(B), np.int64(k), cuda.ptr(w),
-             np.int32(mean), np.int32(opt), np.float32(lr), np.float32(eps)))
+        vt = "v4" if v4 else "v1"
+        suffix = f"{vt}_{'i32' if plan.srow.dtype == np.int32 else 'i64'}"
+        C = np.int64(reference.CHUNK)
+        common = (cuda.ptr(off), np.int64(B), np.int64(k), cuda.ptr(w), np.int32(mean))
+        step = (np.int32(opt), np.float32(lr), np.float32(eps))
+        gstride = np.int64(grad.strides[0] // (16 if v4 else 4))
+        if plan.NL:
+            P = self.xp.empty((plan.NC, F), np.float32)
+            cuda.kernel(f"chunk_sums_{vt}")(
+                (-(-plan.NC // rows),), (g, rows),
+                (P, np.int32(FT), grad, gstride, plan.perm, plan.lstart, plan.lend, plan.lbase, np.int64(plan.NL),
+                 np.int64(plan.NC), C) + common)
+            cuda.kernel(f"update_long_{suffix}")(
+                (-(-plan.NL // rows),), (g, rows),
+                (W, np.int32(FT), np.int32(F), cuda.ptr(state), P, plan.srow, plan.lstart, plan.lend, plan.lbase,
+                 np.int64(plan.NL), C) + step)
+        cuda.kernel(f"update_short_{suffix}")(
+            (-(-L // rows),), (g, rows),
+            (W, np.int32(FT), np.int32(F), cuda.ptr(state), grad, gstride, plan.srow, plan.perm, np.int64(L), C)
+            + common + step)
+
+
+_POOLED = {(v4, i32): f"pooled_{'v4' if v4 else 'v1'}_{'i32' if i32 else 'i64'}"
+           for v4 in (False, True) for i32 in (False, True)}
 
 
 def _vec4(F: int, *arrays: Any) -> bool:

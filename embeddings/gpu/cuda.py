@@ -1,18 +1,20 @@
 """The CUDA kernels (CuPy ``RawKernel`` source, compiled by NVRTC on first use) and their launchers.
 
-One thread group per output row (a bag, or a unique table row in an update); each thread owns
-float4 (or float, where rows are not 16-byte aligned) chunks of the row and keeps its accumulator
-in registers, so no kernel here needs shared memory or a barrier; the update's row-wise Adagrad
-sums squares across its group with warp shuffles.
+Lookups: one thread group per bag; each thread owns float4 (or float, where rows are not 16-byte
+aligned) chunks of the row and keeps its accumulator in registers. A bag's rows are added one by
+one in index order, ``acc += r`` (eight rows loaded ahead for memory parallelism), then multiplied
+by ``1 / n`` for mean pooling; weighted bags ``acc = fma(w, r, acc)``. That is the order of the CPU
+kernels (``embeddings.kernels.lookup`` as compiled), which CI checks. Unchecked device batches are
+validated inside the lookup kernel itself: a bad index or offset sets a flag in mapped host memory
+and the host raises after the kernel (the output is new, so nothing of the caller's is written).
 
-Summation order is the CPU kernels' (``embeddings.kernels.lookup``, as compiled: its source
-groups four rows as ``acc + ((r0 + r1) + (r2 + r3))`` but under ``fastmath`` LLVM emits the
-sequential chain, which CI checks): a bag's rows one by one in index order, ``acc += r`` (four
-rows loaded ahead), then a multiply by ``1 / n`` for mean pooling; weighted bags
-``acc = fma(w, r, acc)`` one by one. An update
-accumulates a unique row's gradient over its entries in batch order (``acc += coef * g``) and
-applies ``row = fma(-mult, acc, row)``, the CPU plan path's arithmetic (the CPU's SGD on small
-batches subtracts each contribution separately, so SGD agrees to rounding, not bit for bit).
+Updates (the plan in :mod:`.ops`): positions sorted by row; one thread group per unique row of at
+most ``CHUNK`` entries sums its gradient rows in batch order and applies the step. A longer row (the
+hot rows of a Zipf batch have ~10^5 entries) is cut into chunks of ``max(CHUNK, ceil(sqrt(n)))``
+entries summed in parallel, then one group adds the chunk sums in chunk order and applies the
+step: deterministic, and exactly the order :func:`.reference.update` uses. Every add and multiply
+of an update is explicitly rounded (``__fadd_rn``/``__fmul_rn``: no fma contraction), so the numpy
+reference reproduces it bit for bit, row-wise Adagrad's warp-shuffle sum of squares included.
 """
 
 from __future__ import annotations
@@ -30,19 +32,33 @@ __device__ __forceinline__ float4 f4(float x, float y, float z, float w) {
     float4 r; r.x = x; r.y = y; r.z = z; r.w = w; return r;
 }
 __device__ __forceinline__ float4 vadd(float4 a, float4 b) {
-    return f4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+    return f4(__fadd_rn(a.x, b.x), __fadd_rn(a.y, b.y), __fadd_rn(a.z, b.z), __fadd_rn(a.w, b.w));
 }
-__device__ __forceinline__ float vadd(float a, float b) { return a + b; }
+__device__ __forceinline__ float vadd(float a, float b) { return __fadd_rn(a, b); }
 __device__ __forceinline__ float4 vfma(float w, float4 a, float4 c) {
     return f4(fmaf(w, a.x, c.x), fmaf(w, a.y, c.y), fmaf(w, a.z, c.z), fmaf(w, a.w, c.w));
 }
 __device__ __forceinline__ float vfma(float w, float a, float c) { return fmaf(w, a, c); }
+/* c + s * a and c - s * a with two roundings (no fma contraction): what the numpy reference computes. */
+__device__ __forceinline__ float4 vaxpy(float s, float4 a, float4 c) {
+    return f4(__fadd_rn(c.x, __fmul_rn(s, a.x)), __fadd_rn(c.y, __fmul_rn(s, a.y)),
+              __fadd_rn(c.z, __fmul_rn(s, a.z)), __fadd_rn(c.w, __fmul_rn(s, a.w)));
+}
+__device__ __forceinline__ float vaxpy(float s, float a, float c) { return __fadd_rn(c, __fmul_rn(s, a)); }
+__device__ __forceinline__ float4 vsubs(float4 c, float s, float4 a) {
+    return f4(__fsub_rn(c.x, __fmul_rn(s, a.x)), __fsub_rn(c.y, __fmul_rn(s, a.y)),
+              __fsub_rn(c.z, __fmul_rn(s, a.z)), __fsub_rn(c.w, __fmul_rn(s, a.w)));
+}
+__device__ __forceinline__ float vsubs(float c, float s, float a) { return __fsub_rn(c, __fmul_rn(s, a)); }
 __device__ __forceinline__ float4 vscale(float4 a, float s) { return f4(a.x * s, a.y * s, a.z * s, a.w * s); }
 __device__ __forceinline__ float vscale(float a, float s) { return a * s; }
 __device__ __forceinline__ void vzero(float4 &a) { a = f4(0.f, 0.f, 0.f, 0.f); }
 __device__ __forceinline__ void vzero(float &a) { a = 0.f; }
-__device__ __forceinline__ float vsumsq(float4 a) { return ((a.x * a.x + a.y * a.y) + a.z * a.z) + a.w * a.w; }
-__device__ __forceinline__ float vsumsq(float a) { return a * a; }
+__device__ __forceinline__ float vsumsq(float4 a) {
+    return __fadd_rn(__fadd_rn(__fadd_rn(__fmul_rn(a.x, a.x), __fmul_rn(a.y, a.y)), __fmul_rn(a.z, a.z)),
+                     __fmul_rn(a.w, a.w));
+}
+__device__ __forceinline__ float vsumsq(float a) { return __fmul_rn(a, a); }
 
 /* Bag b is [s, e): from CSR offsets, or of fixed width k when off is null. */
 __device__ __forceinline__ void bag_range(const i64* off, i64 k, i64 b, i64 &s, i64 &e) {
@@ -57,14 +73,23 @@ __device__ __forceinline__ i64 bag_of(const i64* off, i64 B, i64 k, i64 p) {
     return lo;
 }
 
-/* Pooled lookup: blockDim.x threads per bag (each a chunk of FT vectors of T per row), blockDim.y bags per block. */
+#define UNROLL 8
+
+/* Pooled lookup: blockDim.x threads per bag (each a chunk of FT vectors of T per row), blockDim.y bags per block.
+   bad non-null: the batch is unchecked device input; an index outside [0, n) or offsets that are not a CSR
+   partition of [0, L) set *bad (host memory mapped into the device) and leave the bag unwritten. */
 template <typename T, typename I>
 __device__ void pooled_body(const T* __restrict__ W, int FT, const I* __restrict__ idx, const i64* __restrict__ off,
-                            i64 k, const float* __restrict__ w, int mean, T* __restrict__ out, i64 ostride, i64 B) {
+                            i64 k, const float* __restrict__ w, int mean, T* __restrict__ out, i64 ostride, i64 B,
+                            i64 n, i64 L, int* bad) {
     i64 b = (i64)blockIdx.x * blockDim.y + threadIdx.y;
     if (b >= B) return;
     i64 s, e;
     bag_range(off, k, b, s, e);
+    if (bad && off && !(0 <= s && s <= e && e <= L && (b > 0 || s == 0) && (b < B - 1 || e == L))) {
+        *bad = 1;
+        return;
+    }
     float scale = 1.0f;
     if (mean && e > s) scale = 1.0f / (float)(e - s);
     for (int c = threadIdx.x; c < FT; c += blockDim.x) {
@@ -72,127 +97,268 @@ __device__ void pooled_body(const T* __restrict__ W, int FT, const I* __restrict
         vzero(acc);
         i64 j = s;
         if (w) {
-            for (; j < e; ++j) acc = vfma(w[j], W[(i64)idx[j] * FT + c], acc);
-        } else {
-            for (; j + 4 <= e; j += 4) {
-                T r0 = W[(i64)idx[j] * FT + c];
-                T r1 = W[(i64)idx[j + 1] * FT + c];
-                T r2 = W[(i64)idx[j + 2] * FT + c];
-                T r3 = W[(i64)idx[j + 3] * FT + c];
-                acc = vadd(vadd(vadd(vadd(acc, r0), r1), r2), r3);  /* loads first (memory parallelism), adds in index order */
+            for (; j < e; ++j) {
+                i64 v = (i64)idx[j];
+                if (bad && (u64)v >= (u64)n) { *bad = 1; return; }
+                acc = vfma(w[j], W[v * FT + c], acc);
             }
-            for (; j < e; ++j) acc = vadd(acc, W[(i64)idx[j] * FT + c]);
+        } else {
+            for (; j + UNROLL <= e; j += UNROLL) {  /* all loads first (memory parallelism), adds in index order */
+                i64 v[UNROLL];
+                bool ok = true;
+#pragma unroll
+                for (int t = 0; t < UNROLL; ++t) { v[t] = (i64)idx[j + t]; ok &= (u64)v[t] < (u64)n; }
+                if (bad && !ok) { *bad = 1; return; }
+                T r[UNROLL];
+#pragma unroll
+                for (int t = 0; t < UNROLL; ++t) r[t] = W[v[t] * FT + c];
+#pragma unroll
+                for (int t = 0; t < UNROLL; ++t) acc = vadd(acc, r[t]);
+            }
+            for (; j < e; ++j) {
+                i64 v = (i64)idx[j];
+                if (bad && (u64)v >= (u64)n) { *bad = 1; return; }
+                acc = vadd(acc, W[v * FT + c]);
+            }
         }
         out[b * ostride + c] = vscale(acc, scale);
     }
 }
 
-/* A unique row's accumulated gradient, chunk c: its entries (sorted keys q0..q1, low pbits bits the batch position) in order. */
-template <typename T>
-__device__ __forceinline__ T row_grad(const T* __restrict__ grad, i64 gstride, int c, const i64* __restrict__ keys,
-                                      i64 q0, i64 q1, i64 mask, const i64* __restrict__ off, i64 B, i64 k,
-                                      const float* __restrict__ w, int mean) {
-    T acc;
-    vzero(acc);
-    for (i64 q = q0; q < q1; ++q) {
-        i64 p = keys[q] & mask;
-        i64 b = bag_of(off, B, k, p);
-        T g = grad[b * gstride + c];
-        if (w || mean) {
-            float coef = 1.0f;
-            if (mean) { i64 s, e; bag_range(off, k, b, s, e); coef = 1.0f / (float)(e - s); }
-            if (w) coef = mean ? w[p] * coef : w[p];
-            acc = vfma(coef, g, acc);
-        } else {
-            acc = vadd(acc, g);
-        }
-    }
-    return acc;
+/* The update plan: perm sorts the batch positions by row (stable: a row's entries in batch order) and srow[q] is
+   the row of sorted entry q, so a row's entries are a run [q, e) of equal srow. A row of more than C entries is
+   "long": its entries are cut into chunks of chunk_len(n, C) (the last one shorter), each summed in order, and the
+   chunk sums are added in chunk order. */
+__device__ __forceinline__ i64 chunk_len(i64 n, i64 C) {
+    i64 s = (i64)sqrt((double)n);  /* ceil(sqrt(n)), exactly */
+    while (s * s < n) ++s;
+    while (s > 1 && (s - 1) * (s - 1) >= n) --s;
+    return s > C ? s : C;
 }
 
-/* Fused update: blockDim.x (a power of two <= 32) threads per unique row, blockDim.y rows per block.
-   opt 0: SGD row -= lr * g; opt 1: row-wise Adagrad state[r] += mean(g^2), row -= lr * g / (sqrt(state[r]) + eps). */
+/* The end of the run of row r that starts at q: a scan of at most C + 1 entries; if the run is longer, a binary
+   search (exact) or q + C + 1 (!exact: enough to tell a long row). */
+template <typename I>
+__device__ __forceinline__ i64 run_end(const I* __restrict__ srow, i64 L, i64 q, I r, i64 C, bool exact) {
+    i64 lim = min(L, q + C + 1), e = q + 1;
+    while (e < lim && srow[e] == r) ++e;
+    if (e < lim || e == L || !exact) return e;
+    i64 lo = e - 1, hi = L;  /* srow[lo] == r < srow[hi] (hi == L: past the end) */
+    while (hi - lo > 1) { i64 m = (lo + hi) >> 1; if (srow[m] == r) lo = m; else hi = m; }
+    return hi;
+}
+
+/* Sum of the gradient contributions of sorted entries [q0, q1), vector c of the row, in entry order
+   (N entries loaded ahead): acc += g (unweighted sum) or acc += coef * g (coef = w[p], 1/n for mean, or
+   w[p] * (1/n)). */
+template <typename T, int N>
+struct Entries {
+    const T* __restrict__ grad; i64 gstride; const i64* __restrict__ perm; i64 q0, q1;
+    const i64* __restrict__ off; i64 B, k; const float* __restrict__ w; int mean;
+
+    __device__ __forceinline__ T load(int c, i64 q, float &coef) const {
+        i64 p = perm[q];
+        i64 b = bag_of(off, B, k, p);
+        coef = 1.0f;
+        if (mean) { i64 s, e; bag_range(off, k, b, s, e); coef = __fdiv_rn(1.0f, (float)(e - s)); }
+        if (w) coef = mean ? __fmul_rn(w[p], coef) : w[p];
+        return grad[b * gstride + c];
+    }
+    __device__ __forceinline__ T operator()(int c) const {
+        const bool scaled = w || mean;
+        T acc;
+        vzero(acc);
+        i64 q = q0;
+        for (; q + N <= q1; q += N) {
+            float cf[N];
+            T g[N];
+#pragma unroll
+            for (int t = 0; t < N; ++t) g[t] = load(c, q + t, cf[t]);
+#pragma unroll
+            for (int t = 0; t < N; ++t) acc = scaled ? vaxpy(cf[t], g[t], acc) : vadd(acc, g[t]);
+        }
+        for (; q < q1; ++q) {
+            float cf;
+            T g = load(c, q, cf);
+            acc = scaled ? vaxpy(cf, g, acc) : vadd(acc, g);
+        }
+        return acc;
+    }
+};
+
+/* A long row's chunk sums P[c0 .. c0 + nch), added in chunk order (UNROLL loaded ahead). */
 template <typename T>
-__device__ void update_body(T* __restrict__ W, int FT, int F, float* __restrict__ state, const T* __restrict__ grad,
-                            i64 gstride, const i64* __restrict__ keys, int pbits, const i64* __restrict__ starts, i64 U,
-                            const i64* __restrict__ off, i64 B, i64 k, const float* __restrict__ w, int mean, int opt,
-                            float lr, float eps) {
+struct Partials {
+    const T* __restrict__ P; int FT; i64 c0, nch;
+
+    __device__ __forceinline__ T operator()(int c) const {
+        T acc;
+        vzero(acc);
+        i64 j = 0;
+        for (; j + UNROLL <= nch; j += UNROLL) {
+            T p[UNROLL];
+#pragma unroll
+            for (int t = 0; t < UNROLL; ++t) p[t] = P[(c0 + j + t) * FT + c];
+#pragma unroll
+            for (int t = 0; t < UNROLL; ++t) acc = vadd(acc, p[t]);
+        }
+        for (; j < nch; ++j) acc = vadd(acc, P[(c0 + j) * FT + c]);
+        return acc;
+    }
+};
+
+/* Apply a row's accumulated gradient (src(c): vector c of it) to table row r; blockDim.x (a power of two <= 32)
+   threads per row. opt 0: SGD row -= lr * g; opt 1: row-wise Adagrad state[r] += mean(g^2),
+   row -= lr / (sqrt(state[r]) + eps) * g. Every thread of the block must call this (the shuffles see whole warps). */
+template <typename T, typename S>
+__device__ __forceinline__ void apply_row(T* __restrict__ W, int FT, int F, float* __restrict__ state, int opt,
+                                          float lr, float eps, i64 r, bool active, const S &src) {
     const int G = blockDim.x;
-    i64 u = (i64)blockIdx.x * blockDim.y + threadIdx.y;
-    bool active = u < U;
-    i64 mask = ((i64)1 << pbits) - 1;
-    i64 q0 = 0, q1 = 0, r = 0;
-    if (active) { q0 = starts[u]; q1 = starts[u + 1]; r = keys[q0] >> pbits; }
     float mult = lr;
-    if (opt == 1) {  /* every thread of the block takes this branch: the shuffles see whole warps */
+    if (opt == 1) {
         float g2 = 0.f;
         if (active)
-            for (int c = threadIdx.x; c < FT; c += G) g2 += vsumsq(row_grad(grad, gstride, c, keys, q0, q1, mask, off, B, k, w, mean));
-        for (int o = G / 2; o > 0; o >>= 1) g2 += __shfl_xor_sync(0xffffffffu, g2, o, G);
+            for (int c = threadIdx.x; c < FT; c += G) g2 = __fadd_rn(g2, vsumsq(src(c)));
+        for (int o = G / 2; o > 0; o >>= 1) g2 = __fadd_rn(g2, __shfl_xor_sync(0xffffffffu, g2, o, G));
         float old = (active && threadIdx.x == 0) ? state[r] : 0.f;
         old = __shfl_sync(0xffffffffu, old, 0, G);
         if (!active) return;
-        float st = old + g2 / (float)F;
+        float st = __fadd_rn(old, __fdiv_rn(g2, (float)F));
         if (threadIdx.x == 0) state[r] = st;
-        mult = lr / (sqrtf(st) + eps);
+        mult = __fdiv_rn(lr, __fadd_rn(__fsqrt_rn(st), eps));
     }
     if (!active) return;
     for (int c = threadIdx.x; c < FT; c += G) {
-        T acc = row_grad(grad, gstride, c, keys, q0, q1, mask, off, B, k, w, mean);
-        W[r * FT + c] = vfma(-mult, acc, W[r * FT + c]);
+        T acc = src(c);
+        W[r * FT + c] = vsubs(W[r * FT + c], mult, acc);
     }
+}
+
+/* Rows of at most C entries: one thread group per sorted entry; the group of a run's first entry sums the run
+   and applies it (no list of unique rows needed: the plan has no host sync for their count). */
+template <typename T, typename I>
+__device__ void update_short_body(T* W, int FT, int F, float* state, const T* grad, i64 gstride, const I* srow,
+                                  const i64* perm, i64 L, i64 C, const i64* off, i64 B, i64 k, const float* w,
+                                  int mean, int opt, float lr, float eps) {
+    i64 q = (i64)blockIdx.x * blockDim.y + threadIdx.y;
+    bool active = q < L && (q == 0 || srow[q] != srow[q - 1]);
+    i64 e = 0, r = 0;
+    if (active) {
+        r = (i64)srow[q];
+        e = run_end(srow, L, q, srow[q], C, false);
+        active = e - q <= C;
+    }
+    /* 4 entries ahead: fewer registers, more rows in flight */
+    Entries<T, 4> src{grad, gstride, perm, q, e, off, B, k, w, mean};
+    apply_row(W, FT, F, state, opt, lr, eps, r, active, src);
+}
+
+/* Chunk j of the long rows (slot: the last with lbase[slot] <= j) into P[j]. */
+template <typename T>
+__device__ void chunk_sums_body(T* P, int FT, const T* grad, i64 gstride, const i64* perm, const i64* lstart,
+                                const i64* lend, const i64* lbase, i64 NL, i64 NC, i64 C, const i64* off, i64 B,
+                                i64 k, const float* w, int mean) {
+    i64 j = (i64)blockIdx.x * blockDim.y + threadIdx.y;
+    if (j >= NC) return;
+    i64 lo = 0, hi = NL;
+    while (hi - lo > 1) { i64 m = (lo + hi) >> 1; if (lbase[m] <= j) lo = m; else hi = m; }
+    i64 s = lstart[lo], e = lend[lo], cl = chunk_len(e - s, C);
+    i64 q0 = s + (j - lbase[lo]) * cl;
+    i64 q1 = min(q0 + cl, e);
+    Entries<T, UNROLL> src{grad, gstride, perm, q0, q1, off, B, k, w, mean};
+    for (int c = threadIdx.x; c < FT; c += blockDim.x) P[j * FT + c] = src(c);
+}
+
+/* Long row of slot sl: its chunk sums in order, then the optimizer step. */
+template <typename T, typename I>
+__device__ void update_long_body(T* W, int FT, int F, float* state, const T* P, const I* srow, const i64* lstart,
+                                 const i64* lend, const i64* lbase, i64 NL, i64 C, int opt, float lr, float eps) {
+    i64 sl = (i64)blockIdx.x * blockDim.y + threadIdx.y;
+    bool active = sl < NL;
+    i64 r = 0, c0 = 0, nch = 0;
+    if (active) {
+        i64 s = lstart[sl], n = lend[sl] - s, cl = chunk_len(n, C);
+        r = (i64)srow[s];
+        c0 = lbase[sl];
+        nch = (n + cl - 1) / cl;
+    }
+    Partials<T> src{P, FT, c0, nch};
+    apply_row(W, FT, F, state, opt, lr, eps, r, active, src);
 }
 
 #define POOLED(NAME, T, I) \
 extern "C" __global__ void NAME(const T* W, int FT, const I* idx, const i64* off, i64 k, const float* w, int mean, \
-                                T* out, i64 ostride, i64 B) { pooled_body<T, I>(W, FT, idx, off, k, w, mean, out, ostride, B); }
+                                T* out, i64 ostride, i64 B, i64 n, i64 L, int* bad) { \
+    pooled_body<T, I>(W, FT, idx, off, k, w, mean, out, ostride, B, n, L, bad); }
 POOLED(pooled_v4_i32, float4, int)
 POOLED(pooled_v4_i64, float4, i64)
 POOLED(pooled_v1_i32, float, int)
 POOLED(pooled_v1_i64, float, i64)
 
-#define UPDATE(NAME, T) \
-extern "C" __global__ void NAME(T* W, int FT, int F, float* state, const T* grad, i64 gstride, const i64* keys, int pbits, \
-                                const i64* starts, i64 U, const i64* off, i64 B, i64 k, const float* w, int mean, int opt, \
-                                float lr, float eps) { \
-    update_body<T>(W, FT, F, state, grad, gstride, keys, pbits, starts, U, off, B, k, w, mean, opt, lr, eps); }
-UPDATE(update_v4, float4)
-UPDATE(update_v1, float)
+#define UPDATE(SUFFIX, T, I) \
+extern "C" __global__ void update_short_##SUFFIX(T* W, int FT, int F, float* state, const T* grad, i64 gstride, \
+        const I* srow, const i64* perm, i64 L, i64 C, const i64* off, i64 B, i64 k, const float* w, int mean, int opt, \
+        float lr, float eps) { \
+    update_short_body<T, I>(W, FT, F, state, grad, gstride, srow, perm, L, C, off, B, k, w, mean, opt, lr, eps); } \
+extern "C" __global__ void update_long_##SUFFIX(T* W, int FT, int F, float* state, const T* P, const I* srow, \
+        const i64* lstart, const i64* lend, const i64* lbase, i64 NL, i64 C, int opt, float lr, float eps) { \
+    update_long_body<T, I>(W, FT, F, state, P, srow, lstart, lend, lbase, NL, C, opt, lr, eps); }
+UPDATE(v4_i32, float4, int)
+UPDATE(v4_i64, float4, i64)
+UPDATE(v1_i32, float, int)
+UPDATE(v1_i64, float, i64)
 
-/* keys[i] = (idx[i] << pbits) | i: sorting them groups a row's entries in batch order. */
-#define KEYS(NAME, I) \
-extern "C" __global__ void NAME(const I* idx, i64 L, int pbits, i64* keys) { \
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < L; i += (i64)gridDim.x * blockDim.x) \
-        keys[i] = ((i64)idx[i] << pbits) | i; }
-KEYS(make_keys_i32, int)
-KEYS(make_keys_i64, i64)
+#define CHUNKS(NAME, T) \
+extern "C" __global__ void NAME(T* P, int FT, const T* grad, i64 gstride, const i64* perm, const i64* lstart, \
+        const i64* lend, const i64* lbase, i64 NL, i64 NC, i64 C, const i64* off, i64 B, i64 k, const float* w, \
+        int mean) { \
+    chunk_sums_body<T>(P, FT, grad, gstride, perm, lstart, lend, lbase, NL, NC, C, off, B, k, w, mean); }
+CHUNKS(chunk_sums_v4, float4)
+CHUNKS(chunk_sums_v1, float)
 
-/* heads[i] = 1 where sorted key i starts a new row. */
-extern "C" __global__ void row_heads(const i64* keys, i64 L, int pbits, int* heads) {
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < L; i += (i64)gridDim.x * blockDim.x)
-        heads[i] = (i == 0 || (keys[i] >> pbits) != (keys[i - 1] >> pbits)) ? 1 : 0;
-}
+/* srow[q] = idx[perm[q]]: the sorted rows, read contiguously by the kernels above. */
+#define SORTED_ROWS(NAME, I) \
+extern "C" __global__ void NAME(const I* idx, const i64* perm, i64 L, I* srow) { \
+    for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; q < L; q += (i64)gridDim.x * blockDim.x) \
+        srow[q] = idx[perm[q]]; }
+SORTED_ROWS(sorted_rows_i32, int)
+SORTED_ROWS(sorted_rows_i64, i64)
 
-/* Validation (before anything is written): res[slot] = min(res[slot], first bad position). */
-#define BAD_INDEX(NAME, I) \
-extern "C" __global__ void NAME(const I* idx, i64 L, i64 n, u64* res) { \
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < L; i += (i64)gridDim.x * blockDim.x) { \
-        i64 v = (i64)idx[i]; if (v < 0 || v >= n) atomicMin(res, (u64)i); } }
-BAD_INDEX(bad_index_i32, int)
-BAD_INDEX(bad_index_i64, i64)
+/* The long rows (more than C entries): run [lstart, lend) per slot; slot and first chunk sum from one atomic
+   (count << 40 | chunks), so lbase increases with the slot. Slots are in no particular row order; the arithmetic
+   does not depend on it. */
+#define LONG_ROWS(NAME, I) \
+extern "C" __global__ void NAME(const I* srow, i64 L, i64 C, u64* counter, i64* lstart, i64* lend, i64* lbase) { \
+    for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; q < L; q += (i64)gridDim.x * blockDim.x) { \
+        if (q > 0 && srow[q] == srow[q - 1]) continue; \
+        i64 e = run_end(srow, L, q, srow[q], C, true), n = e - q; \
+        if (n <= C) continue; \
+        i64 cl = chunk_len(n, C); \
+        u64 old = atomicAdd(counter, ((u64)1 << 40) + (u64)((n + cl - 1) / cl)); \
+        i64 slot = (i64)(old >> 40); \
+        lstart[slot] = q; \
+        lend[slot] = e; \
+        lbase[slot] = (i64)(old & (((u64)1 << 40) - 1)); } }
+LONG_ROWS(long_rows_i32, int)
+LONG_ROWS(long_rows_i64, i64)
 
-extern "C" __global__ void bad_offset(const i64* off, i64 B, u64* res) {
-    for (i64 b = (i64)blockIdx.x * blockDim.x + threadIdx.x; b < B; b += (i64)gridDim.x * blockDim.x)
-        if (off[b + 1] < off[b]) atomicMin(res, (u64)b);
-}
-
-extern "C" __global__ void nonfinite_row(const float* g, i64 rows, int F, i64 stride, u64* res) {
-    i64 n = rows * F;
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-        i64 r = i / F;
-        if (!isfinite(g[r * stride + (i - r * F)])) atomicMin(res, (u64)r);
-    }
-}
+/* Validation of unchecked device input (before anything is written): flags[0] = 1 for an index outside [0, n),
+   flags[1] = 1 for offsets that are not a CSR partition of [0, L), flags[2] = 1 for a non-finite gradient.
+   flags is host memory mapped into the device; the host reads it after a sync and, on a 1, finds the CPU error. */
+#define CHECK(NAME, I) \
+extern "C" __global__ void NAME(const I* idx, i64 L, i64 n, const i64* off, i64 B, const float* g, i64 grows, int F, \
+                                i64 gstride, int* flags) { \
+    i64 t0 = (i64)blockIdx.x * blockDim.x + threadIdx.x, step = (i64)gridDim.x * blockDim.x; \
+    if (idx) for (i64 i = t0; i < L; i += step) if ((u64)(i64)idx[i] >= (u64)n) flags[0] = 1; \
+    if (off) { \
+        for (i64 b = t0; b < B; b += step) if (off[b + 1] < off[b]) flags[1] = 1; \
+        if (t0 == 0 && (off[0] != 0 || off[B] != L)) flags[1] = 1; \
+    } \
+    if (g) for (i64 i = t0; i < grows * F; i += step) { \
+        i64 r = i / F; \
+        if (!isfinite(g[r * gstride + (i - r * F)])) flags[2] = 1; } }
+CHECK(check_i32, int)
+CHECK(check_i64, i64)
 """
 
 NULL = np.uint64(0)  # a null pointer argument
@@ -205,6 +371,7 @@ def module() -> Any:
     return cp.RawModule(code=SOURCE, options=("--std=c++14",))
 
 
+@lru_cache(maxsize=None)
 def kernel(name: str) -> Any:
     """One kernel of :data:`SOURCE`."""
     return module().get_function(name)
@@ -220,6 +387,7 @@ def grid_1d(n: int, block: int = 256, most: int = 65536) -> tuple[tuple[int], tu
     return (max(1, min(most, -(-n // block))),), (block,)
 
 
+@lru_cache(maxsize=None)
 def group(FT: int, pow2: bool) -> tuple[int, int]:
     """(threads per row, rows per 256-thread block) for rows of ``FT`` vectors; a power of two
     of at most 32 threads where the group shuffles (updates), else up to 256."""

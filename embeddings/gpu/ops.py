@@ -1,15 +1,18 @@
 """The GPU path's driver: validation, the update plan and kernel dispatch, over a backend.
 
-Validation follows the CPU rules exactly and runs before anything is written. Host index arrays
-(the usual case: batches come from the host) go through :func:`embeddings.batch.make_bags`
-itself, then are uploaded. Device index arrays (CuPy, JAX) are checked on the device, every check
-in flight at once with one host sync (:meth:`~.backend.CudaBackend.validate`); on a failure the
-host copies go through ``make_bags`` for the same exception and message (table, position, value).
+Validation follows the CPU rules exactly and raises before anything is written. Host index
+arrays (the usual case: batches come from the host) go through :func:`embeddings.batch.make_bags`
+itself, then are uploaded. Device index arrays (CuPy, JAX) are checked on the device without
+stopping the host: a lookup into a new output checks inside its kernel, other calls run one
+check kernel; each sets flags in mapped host memory (:class:`Pending`) that the driver reads
+after its next synchronisation (a lookup's end, an update's plan), before the caller's output or
+the table is written. On a flag the host copies go through ``make_bags`` for the CPU's exception
+and message (table, position, value). A lookup of a host batch does not synchronise at all.
 
-An update sorts the keys ``row << pbits | position`` (unique, so any sort gives one order: a
-row's entries in batch order, rows ascending), marks where rows start (one sync for their
-count), and runs one fused accumulate-and-apply kernel over the unique rows: no table gradient
-is materialised and duplicates accumulate in batch order, deterministically.
+An update sorts the batch positions by row (stable, so a row's entries stay in batch order),
+finds the long rows (one sync for their count: the plan's only one), and runs fused
+accumulate-and-apply kernels: no table gradient is materialised, duplicates accumulate in a fixed
+order (long rows in chunks, :mod:`.cuda`), deterministically.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import numpy as np
 
 from ..batch import make_bags
 from ..optim import SGD, RowwiseAdagrad
+from . import reference
+from .backend import Plan
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,34 @@ def _host(be, x: Any) -> Any:
     return None if x is None else be.to_host(x)
 
 
+class Pending:
+    """The checks of one batch in flight: flags ``slot``, ``slot + 1``, ``slot + 2`` (index,
+    offsets, gradient) and how to raise the CPU's error for each from host copies."""
+
+    def __init__(self, flags: Any, slot: int, explain_batch: Callable[[], None] | None,
+                 explain_grad: Callable[[], None] | None) -> None:
+        self.flags, self.slot, self.explain_batch, self.explain_grad = flags, slot, explain_batch, explain_grad
+
+    def raise_if_bad(self) -> None:
+        """Raise the CPU's error if a check failed (the flags must be final: after a sync)."""
+        f, s = self.flags, self.slot
+        if (f[s] or f[s + 1]) and self.explain_batch is not None:
+            self.explain_batch()
+            raise AssertionError("make_bags accepted a batch the device checks refused")  # pragma: no cover
+        if f[s + 2] and self.explain_grad is not None:
+            self.explain_grad()
+            raise AssertionError("the device saw a non-finite gradient the host copy lacks")  # pragma: no cover
+
+
+def confirm(be, pending: list[Pending | None]) -> None:
+    """Wait for the checks in flight and raise the first failure, in batch order."""
+    if any(p is not None for p in pending):
+        be.sync()
+        for p in pending:
+            if p is not None:
+                p.raise_if_bad()
+
+
 def _structure_ok(idx, offsets, weights, mode) -> bool:
     """Whether a device batch passes make_bags' structural checks (else make_bags on host copies raises)."""
     if mode not in (None, "sum", "mean") or np.dtype(idx.dtype).kind not in "iu" or idx.ndim not in (1, 2):
@@ -56,11 +89,13 @@ def _structure_ok(idx, offsets, weights, mode) -> bool:
 
 
 def device_bags(be, name: str, nvectors: int, indices: Any, offsets: Any = None, weights: Any = None,
-                mode: str | None = None, grad_fn: Callable[[int], Any] | None = None
-                ) -> tuple[DeviceBags, Any, int]:
-    """Validate a batch and put it on the device. ``grad_fn(nout)``, when given, returns the
-    checked device gradient, whose finiteness is checked in the same sync as device indices.
-    Returns the bags, the gradient (or None) and its first non-finite row (-1: none).
+                mode: str | None = None, grad_fn: Callable[[int], Any] | None = None, *, flags: Any,
+                slot: int = 0, fused: bool = False) -> tuple[DeviceBags, Any, Pending | None]:
+    """Put a batch on the device, validated (host batches) or with its checks in flight in
+    ``flags[slot:slot + 3]`` (device batches; ``fused``: the lookup kernel will check the indices
+    and offsets, so no check kernel runs for them). ``grad_fn(nout)``, when given, returns the
+    shape-checked device gradient, whose finiteness is checked in flight too.
+    Returns the bags, the gradient (or None) and the checks to confirm (None: nothing pending).
 
     Errors come in the CPU order (indices, gradient shape, finiteness), except that device
     indices with both a bad value and a bad gradient shape report the shape."""
@@ -74,20 +109,27 @@ def device_bags(be, name: str, nvectors: int, indices: Any, offsets: Any = None,
         else:
             off, k = be.asarray(bags.offsets), 0
         w = be.asarray(bags.weights) if bags.weights.size else None
-        bad_row = be.validate(None, nvectors, None, grad)[2] if grad is not None else -1
-        return DeviceBags(be.asarray(bags.indices), off, k, w, bags.mean, bags.nout), grad, bad_row
+        pending = None
+        if grad is not None:
+            be.check(flags, slot, None, nvectors, None, grad)
+            pending = Pending(flags, slot, None, _grad_error(be, name, grad))
+        return DeviceBags(be.asarray(bags.indices), off, k, w, bags.mean, bags.nout), grad, pending
     idx = be.asarray(indices)
     off = None if offsets is None else be.asarray(offsets)
     w = None if weights is None else be.asarray(weights)
-    if not _structure_ok(idx, off, w, mode):
+
+    def explain() -> None:
         make_bags(name, nvectors, _host(be, idx), _host(be, off), _host(be, w), mode)
+
+    if not _structure_ok(idx, off, w, mode):
+        explain()
         raise AssertionError("make_bags accepted a batch the device checks refused")  # pragma: no cover
     if idx.dtype != np.int32 and idx.dtype != np.int64:
         idx = idx.astype(np.int64)
     shape = tuple(idx.shape)
-    flat = be.xp.ascontiguousarray(idx).reshape(-1)
+    flat = idx.reshape(-1) if idx.flags.c_contiguous else be.xp.ascontiguousarray(idx).reshape(-1)
     if off is not None:
-        off = be.xp.ascontiguousarray(off.astype(np.int64))
+        off = be.xp.ascontiguousarray(off.astype(np.int64, copy=False))
         k = 0
     elif len(shape) == 2:
         k = shape[1]
@@ -95,14 +137,22 @@ def device_bags(be, name: str, nvectors: int, indices: Any, offsets: Any = None,
         k = 1
     nout = flat.size if (off is None and len(shape) == 1) else (off.size - 1 if off is not None else shape[0])
     grad = grad_fn(nout) if grad_fn is not None else None
-    bad_i, bad_o, bad_row = be.validate(flat, nvectors, off, grad)
-    ends_ok = off is None or (int(off[0]) == 0 and int(off[-1]) == flat.size)
-    if bad_i >= 0 or bad_o >= 0 or not ends_ok:
-        make_bags(name, nvectors, _host(be, idx), _host(be, off), _host(be, w), mode)
-        raise AssertionError("make_bags accepted a batch the device checks refused")  # pragma: no cover
+    if not fused or grad is not None:
+        be.check(flags, slot, None if fused else flat, nvectors, None if fused else off, grad)
+    pending = Pending(flags, slot, explain, None if grad is None else _grad_error(be, name, grad))
     if w is not None:
-        w = be.xp.ascontiguousarray(w.astype(np.float32)).reshape(-1)
-    return DeviceBags(flat, off, k, w, mode == "mean", nout), grad, bad_row
+        w = be.xp.ascontiguousarray(w.astype(np.float32, copy=False)).reshape(-1)
+    return DeviceBags(flat, off, k, w, mode == "mean", nout), grad, pending
+
+
+def _grad_error(be, name: str, grad: Any) -> Callable[[], None]:
+    """Raises the CPU's error for the first non-finite row of ``grad`` (read from a host copy)."""
+    def explain() -> None:
+        host = be.to_host(grad)
+        bad = np.flatnonzero(~np.isfinite(host).all(axis=1))
+        if bad.size:
+            raise nonfinite_error(name, int(bad[0]))
+    return explain
 
 
 def check_table(name: str, W: Any) -> None:
@@ -124,30 +174,39 @@ def check_out(be, out: Any, shape: tuple[int, ...], name: str) -> None:
         raise ValueError(f"{name}: output shape {tuple(out.shape)}, expected {shape}")
 
 
-def run_pooled(be, out: Any, W: Any, bags: DeviceBags) -> None:
-    """The lookup kernel into ``out`` (rows of contiguous floats; else through a temporary)."""
+def run_pooled(be, out: Any, W: Any, bags: DeviceBags, flags: Any = None, slot: int = 0) -> None:
+    """The lookup kernel into ``out`` (rows of contiguous floats; else through a temporary).
+    ``flags``: the batch is unchecked; the kernel checks it into ``flags[slot]``."""
     if bags.nout == 0 or out.shape[1] == 0:
+        if flags is not None:  # no kernel reads the batch: check it on its own
+            be.check(flags, slot, bags.idx, W.shape[0], bags.off, None)
         return
     if out.strides[1] != 4:
         tmp = be.xp.empty(out.shape, np.float32)
-        run_pooled(be, tmp, W, bags)
+        run_pooled(be, tmp, W, bags, flags, slot)
         out[...] = tmp
         return
-    be.pooled(out, W, bags.idx, bags.off, bags.k, bags.w, bags.mean)
+    be.pooled(out, W, bags.idx, bags.off, bags.k, bags.w, bags.mean, flags, slot)
 
 
 def lookup(be, name: str, W: Any, indices: Any, offsets: Any = None, *, mode: str | None = None,
            weights: Any = None, out: Any = None) -> Any:
     """Lookup (non-reducing or pooled, as :func:`embeddings.lookup`) from device table ``W``;
-    into ``out`` when given, else a new device array."""
+    into ``out`` when given (a device batch is confirmed first), else a new device array (the
+    kernel checks a device batch as it reads it; confirmed before returning)."""
     check_table(name, W)
-    bags, _, _ = device_bags(be, name, W.shape[0], indices, offsets, weights, mode)
+    flags = be.flags(3)
+    fresh = out is None
+    bags, _, pending = device_bags(be, name, W.shape[0], indices, offsets, weights, mode, flags=flags, fused=fresh)
     shape = (bags.nout, W.shape[1])
-    if out is None:
+    if fresh:
         out = be.xp.empty(shape, np.float32)
     else:
         check_out(be, out, shape, name)
-    run_pooled(be, out, W, bags)
+        confirm(be, [pending])
+    run_pooled(be, out, W, bags, flags if fresh and pending is not None else None)
+    if fresh:
+        confirm(be, [pending])
     return out
 
 
@@ -179,48 +238,45 @@ def nonfinite_error(name: str, row: int) -> FloatingPointError:
 
 @dataclass(frozen=True)
 class PreparedUpdate:
-    """A validated update: its bags and gradient on the device."""
+    """An update whose host-side checks passed: its bags and gradient on the device, and the
+    device-side checks still in flight (confirmed before the table is written)."""
 
     bags: DeviceBags
     grad: Any
+    pending: Pending | None
 
 
 def prepare_pullback(be, name: str, nvectors: int, F: int, grad: Any, indices: Any, offsets: Any = None, *,
-                     mode: str | None = None, weights: Any = None, optimizer: Any) -> PreparedUpdate:
-    """Every check of :func:`embeddings.pullback`, in its order, before anything is written."""
+                     mode: str | None = None, weights: Any = None, optimizer: Any, flags: Any = None,
+                     slot: int = 0) -> PreparedUpdate:
+    """Every check of :func:`embeddings.pullback`, in its order: the host's now, the device's in
+    flight in ``flags[slot:slot + 3]`` (new flags when None)."""
     check_optimizer(optimizer)
-    bags, g, bad_row = device_bags(be, name, nvectors, indices, offsets, weights, mode,
-                                   grad_fn=lambda nout: check_grad(be, name, grad, nout, F))
-    if bad_row >= 0:
-        raise nonfinite_error(name, bad_row)
-    return PreparedUpdate(bags, g)
+    flags = be.flags(3) if flags is None else flags
+    bags, g, pending = device_bags(be, name, nvectors, indices, offsets, weights, mode,
+                                   grad_fn=lambda nout: check_grad(be, name, grad, nout, F), flags=flags, slot=slot)
+    return PreparedUpdate(bags, g, pending)
 
 
-def plan(be, idx: Any, nvectors: int) -> tuple[Any, int, Any, int]:
-    """``(sorted keys, pbits, starts, U)``: keys ``row << pbits | position`` sorted, so the
-    entries of unique row ``u`` are ``keys[starts[u]:starts[u+1]]`` in batch order."""
-    L = int(idx.size)
-    pbits = max(1, (L - 1).bit_length())
-    if (max(nvectors, 1) - 1).bit_length() + pbits > 62:
-        raise ValueError(f"a batch of {L} indices into {nvectors} rows is too large for one GPU update")
-    keys = be.xp.sort(be.make_keys(idx, pbits))
-    heads = be.row_heads(keys, pbits)
-    first = be.xp.flatnonzero(heads)
-    U = int(first.size)
-    starts = be.xp.empty(U + 1, np.int64)
-    starts[:U] = first
-    starts[U:] = L
-    return keys, pbits, starts, U
+def plan(be, idx: Any) -> Plan:
+    """The update plan of a batch's flat indices (:class:`~.backend.Plan`): a stable argsort, the
+    sorted rows, and the long rows, whose count is the plan's one synchronisation."""
+    perm = be.argsort(idx)
+    srow = be.sorted_rows(idx, perm)
+    lstart, lend, lbase, NL, NC = be.long_rows(srow, int(idx.size), reference.CHUNK)
+    return Plan(perm, srow, lstart, lend, lbase, NL, NC)
 
 
 def apply_pullback(be, W: Any, state: Any, prep: PreparedUpdate, optimizer: Any) -> None:
-    """Plan and run the fused update of a prepared batch on table ``W`` (row-wise Adagrad: ``state``)."""
+    """Plan, confirm the checks, and run the fused update of a prepared batch on table ``W``
+    (row-wise Adagrad: ``state``)."""
     bags = prep.bags
     if bags.idx.size == 0 or W.shape[1] == 0:
+        confirm(be, [prep.pending])
         return
-    keys, pbits, starts, U = plan(be, bags.idx, W.shape[0])
-    B = bags.nout
-    be.update(W, state, prep.grad, keys, pbits, starts, U, bags.off, B, max(bags.k, 1), bags.w, bags.mean,
+    p = plan(be, bags.idx)
+    confirm(be, [prep.pending])  # the plan synchronised: the flags are final
+    be.update(W, state, prep.grad, p, bags.off, bags.nout, max(bags.k, 1), bags.w, bags.mean,
               optimizer.code, float(optimizer.lr), float(optimizer.eps))
 
 

@@ -5,12 +5,14 @@
   the numba kernels' order as compiled), run with ``interpret=True`` so it
   runs on a CPU. It is the form of the lookup that CI checks against the numba kernels bit for
   bit (unweighted) and that the CUDA kernel transcribes.
-* :func:`update`: a numpy transcription of the CUDA update kernel (per unique row: accumulate
-  its entries in batch order, then SGD or row-wise Adagrad).
+* :func:`update`: a numpy transcription of the CUDA update kernels, rounding for rounding (per
+  unique row: its entries in batch order, long rows in chunks of :func:`chunk_len` whose sums
+  are added in chunk order; then SGD or row-wise Adagrad).
 """
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import numpy as np
@@ -67,31 +69,82 @@ def pooled_into(out, W, idx, off, k, w, mean) -> None:
     out[...] = pooled(W, idx, offsets, w, mean)
 
 
-def update(W, state, grad, keys, pbits, starts, U, off, B, k, w, mean, opt, lr, eps) -> None:
-    """The CUDA update kernel, unique row by unique row (small inputs only: a Python loop)."""
+CHUNK = 32  # a row with more entries than this is summed in chunks (see chunk_len)
+
+
+def chunk_len(n: int, C: int = CHUNK) -> int:
+    """Entries per chunk of a row of ``n > C`` entries: ``max(C, ceil(sqrt(n)))``, so both the
+    chunk sums and their combination take O(sqrt(n)) sequential adds."""
+    return max(C, math.isqrt(n - 1) + 1)
+
+
+def update(W, state, grad, perm, srow, off, B, k, w, mean, opt, lr, eps, vec: int) -> None:
+    """The CUDA update kernels, row by row (small inputs only: a Python loop).
+
+    Each run ``q0:q1`` of equal ``srow`` (row ``r``) gets the gradient rows of its entries
+    ``perm[q0:q1]`` summed in order (``acc + g``, or ``acc + coef * g`` with two roundings), a row
+    of more than :data:`CHUNK` entries chunk by chunk with the chunk sums added in order; then
+    ``row - mult * acc``. Row-wise Adagrad sums squares as the kernel's thread group does: ``vec``
+    floats per thread chunk (4 or 1), thread ``t`` of ``G`` takes chunks ``t, t + G, ...``, then a
+    butterfly."""
     F = W.shape[1]
-    mask = (1 << pbits) - 1
-    lr32, eps32 = np.float32(lr), np.float32(eps)
+    perm = np.asarray(perm, np.int64)
+    L = perm.size
     offsets = off if off is not None else np.arange(B + 1, dtype=np.int64) * k
-    for u in range(U):
-        q0, q1 = int(starts[u]), int(starts[u + 1])
-        r = int(keys[q0]) >> pbits
+    bag = np.searchsorted(offsets, perm, side="right") - 1
+    scaled = w is not None or mean
+    if scaled:
+        coef = np.ones(L, np.float32)
+        if mean:
+            coef = np.float32(1.0) / (offsets[bag + 1] - offsets[bag]).astype(np.float32)
+        if w is not None:
+            coef = (np.asarray(w, np.float32)[perm] * coef) if mean else np.asarray(w, np.float32)[perm]
+    lr32, eps32 = np.float32(lr), np.float32(eps)
+
+    def run(q0: int, q1: int) -> np.ndarray:
         acc = np.zeros(F, np.float32)
         for q in range(q0, q1):
-            p = int(keys[q]) & mask
-            b = int(np.searchsorted(offsets, p, side="right")) - 1
-            if w is not None or mean:
-                coef = np.float32(1.0)
-                if mean:
-                    coef = np.float32(1.0) / np.float32(offsets[b + 1] - offsets[b])
-                if w is not None:
-                    coef = np.float32(w[p]) * coef if mean else np.float32(w[p])
-                acc += coef * grad[b]
-            else:
-                acc += grad[b]
+            acc = acc + coef[q] * grad[bag[q]] if scaled else acc + grad[bag[q]]
+        return acc
+
+    heads = np.flatnonzero(np.concatenate(([True], srow[1:] != srow[:-1]))) if L else np.zeros(0, np.int64)
+    for q0, q1 in zip(heads, np.append(heads[1:], L)):
+        q0, q1 = int(q0), int(q1)
+        r = int(srow[q0])
+        if q1 - q0 <= CHUNK:
+            acc = run(q0, q1)
+        else:
+            cl = chunk_len(q1 - q0)
+            acc = np.zeros(F, np.float32)
+            for a in range(q0, q1, cl):
+                acc = acc + run(a, min(a + cl, q1))
         mult = lr32
         if opt == 1:
-            st = np.float32(state[r] + np.float32(np.dot(acc, acc)) / np.float32(F))
+            st = np.float32(state[r] + _sumsq(acc, vec) / np.float32(F))
             state[r] = st
             mult = lr32 / (np.sqrt(st) + eps32)
         W[r] = W[r] - np.float32(mult) * acc
+
+
+def lanes(F: int, vec: int) -> int:
+    """Threads per row of the update kernels (a power of two of at most 32): :func:`.cuda.group`."""
+    from .cuda import group
+    return group(F // vec, pow2=True)[0]
+
+
+def _sumsq(acc: np.ndarray, vec: int) -> np.float32:
+    """Sum of squares of ``acc`` in the kernel's order (per-thread sums, then an xor butterfly)."""
+    FT = acc.size // vec
+    sq = acc.reshape(FT, vec) * acc.reshape(FT, vec)
+    chunk = sq[:, 0]
+    for i in range(1, vec):
+        chunk = chunk + sq[:, i]
+    G = lanes(acc.size, vec)
+    part = np.zeros(G, np.float32)
+    for c in range(FT):
+        part[c % G] = part[c % G] + chunk[c]
+    o = G // 2
+    while o:
+        part = part + part[np.arange(G) ^ o]
+        o //= 2
+    return part[0]

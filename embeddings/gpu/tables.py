@@ -19,6 +19,7 @@ from cachedarrays import CachedArray, readable, writable
 from ..optim import RowwiseAdagrad
 from . import ops
 from .backend import cuda_backend
+from .handoff import to_jax
 
 
 @contextmanager
@@ -35,27 +36,17 @@ def device_rows(data: Any, write: bool) -> Iterator[Any]:
     yield cuda_backend().asarray(data)
 
 
-_jax_gpu: bool | None = None
-
-
 def as_output(out: Any) -> Any:
     """A lookup's CuPy output as a JAX array without a copy (CuPy where JAX has no GPU)."""
-    global _jax_gpu
-    if _jax_gpu is None:
-        try:
-            import jax
-            _jax_gpu = bool(jax.devices("gpu"))
-        except Exception:
-            _jax_gpu = False
-    if not _jax_gpu:
-        return out
-    import jax
-    return jax.dlpack.from_dlpack(out)
+    return to_jax(out)
 
 
 def lookup(table: Any, indices: Any, offsets: Any, mode: str | None, weights: Any, out: Any = None) -> Any:
     """``lookup`` / ``lookup_into`` of a SimpleEmbedding on a GPU (``NotImplemented``: on the host now)."""
     be = cuda_backend()
+    if type(table.data) is be.xp.ndarray:  # nothing to pin: the common case without a context manager
+        result = ops.lookup(be, table.name, table.data, indices, offsets, mode=mode, weights=weights, out=out)
+        return result if out is not None else as_output(result)
     with device_rows(table.data, write=False) as W:
         if W is None:
             return NotImplemented
@@ -71,16 +62,20 @@ def state_for(optimizer: Any, table: Any) -> Any:
 
 
 def prepare(table: Any, grad: Any, indices: Any, offsets: Any, mode: str | None, weights: Any,
-            optimizer: Any) -> ops.PreparedUpdate:
-    """Validate a table's update (nothing written yet)."""
+            optimizer: Any, flags: Any = None, slot: int = 0) -> ops.PreparedUpdate:
+    """Validate a table's update (nothing written yet; device checks in flight in ``flags``)."""
     if table.eltype() != np.float32:
         raise TypeError(f"{table.name}: GPU tables must be float32, not {table.eltype()}")
     return ops.prepare_pullback(cuda_backend(), table.name, table.nvectors(), table.featuresize(), grad, indices,
-                                offsets, mode=mode, weights=weights, optimizer=optimizer)
+                                offsets, mode=mode, weights=weights, optimizer=optimizer, flags=flags, slot=slot)
 
 
 def apply(table: Any, prep: ops.PreparedUpdate, optimizer: Any) -> Any:
     """Run a prepared update in place (``NotImplemented``: the rows are on the host now)."""
+    be = cuda_backend()
+    if type(table.data) is be.xp.ndarray:  # nothing to pin
+        ops.apply_pullback(be, table.data, state_for(optimizer, table), prep, optimizer)
+        return None
     with device_rows(table.data, write=True) as W:
         if W is None:
             return NotImplemented
@@ -104,26 +99,35 @@ def _per_table(T: int, indices, offsets, weights) -> tuple[list, list]:
 
 
 def ensemble_lookup(tables: list, indices, offsets, mode, weights, out: Any = None) -> Any:
-    """Every table into ``(batch, tables, featuresize)``; all batches validated before any kernel runs."""
+    """Every table into ``(batch, tables, featuresize)``. Host batches are validated before any
+    kernel runs; device batches are checked by the kernels (a new output) or before them (``out``),
+    and every table's error is raised in table order before the result is returned."""
     be = cuda_backend()
     T = len(tables)
     offsets, weights = _per_table(T, indices, offsets, weights)
-    bags = [ops.device_bags(be, t.name, t.nvectors(), i, o, w, mode)[0]
-            for t, i, o, w in zip(tables, indices, offsets, weights)]
+    flags = be.flags(3 * T)
+    fresh = out is None
+    checked = [ops.device_bags(be, t.name, t.nvectors(), i, o, w, mode, flags=flags, slot=3 * n, fused=fresh)
+               for n, (t, i, o, w) in enumerate(zip(tables, indices, offsets, weights))]
+    bags = [b for b, _, _ in checked]
+    pending = [p for _, _, p in checked]
     _same_batch([b.nout for b in bags])
     F = tables[0].featuresize()
     shape = (bags[0].nout, T, F)
-    if out is None:
+    if fresh:
         res = be.xp.empty(shape, np.float32)
     else:
         ops.check_out(be, out, shape, "ensemble")
+        ops.confirm(be, pending)
         res = out
-    for i, (t, b) in enumerate(zip(tables, bags)):
+    for i, (t, b, p) in enumerate(zip(tables, bags, pending)):
         with device_rows(t.data, write=False) as W:
             if W is None:
                 raise RuntimeError(f"{t.name}: moved off the GPU during an ensemble lookup")
             ops.check_table(t.name, W)
-            ops.run_pooled(be, res[:, i, :], W, b)
+            ops.run_pooled(be, res[:, i, :], W, b, flags if fresh and p is not None else None, 3 * i)
+    if fresh:
+        ops.confirm(be, pending)
     return res if out is not None else as_output(res)
 
 
@@ -136,9 +140,11 @@ def ensemble_pullback(tables: list, grad: Any, indices, offsets, mode, weights, 
     F = tables[0].featuresize()
     if g3.ndim != 3 or g3.shape[1:] != (T, F):
         raise ValueError(f"ensemble gradient shape {tuple(g3.shape)}, expected (batch, {T}, {F})")
-    preps = [prepare(t, g3[:, i, :], i_, o, mode, w, optimizer)
+    flags = be.flags(3 * T)
+    preps = [prepare(t, g3[:, i, :], i_, o, mode, w, optimizer, flags, 3 * i)
              for i, (t, i_, o, w) in enumerate(zip(tables, indices, offsets, weights))]
     _same_batch([p.bags.nout for p in preps])
+    ops.confirm(be, [p.pending for p in preps])
     for t, p in zip(tables, preps):
         if apply(t, p, optimizer) is NotImplemented:
             raise RuntimeError(f"{t.name}: moved off the GPU during an ensemble update")
