@@ -32,6 +32,14 @@ from .rowaccess import (accumulator, featuresize, hit_of, out_ptr, out_row, pref
 from .simd import vadd4, vcopy, vcopy_stream, vfma, vscale_store, vzero
 
 
+@njit(cache=True)
+def reciprocal(n):
+    """``1 / n`` correctly rounded: compiled without fastmath (and not inlined into the fastmath
+    kernels in numba's IR), so LLVM cannot swap the division for a reciprocal estimate on some
+    CPUs and mean pooling is the same bits on every machine."""
+    return np.float32(1.0) / n
+
+
 @njit(cache=True, fastmath=True)
 def gather_chunk(spec, out, base, cache, slots, codec, idx, i0, i1, dist, stream):
     """out[i] = row(idx[i]) for i in [i0, i1); ``stream`` is only honoured by the SIMD version."""
@@ -100,7 +108,7 @@ def pooled_chunk(spec, out, base, cache, slots, codec, idx, offsets, weights, me
             j += 1
         scale = one
         if mean and e > s:
-            scale = one / np.float32(e - s)
+            scale = reciprocal(np.float32(e - s))
         o = out_row(out, b, F)
         for k in range(F):
             o[k] = acc[k] * scale
@@ -165,7 +173,7 @@ def pooled_chunk_simd(spec, out, base, cache, slots, codec, idx, offsets, weight
                 j += 1
         scale = one
         if mean and e > s:
-            scale = one / np.float32(e - s)
+            scale = reciprocal(np.float32(e - s))
         vscale_store(spec, out_ptr(out, b), acc, scale)
     record_hits(base, slots, hits)
 
