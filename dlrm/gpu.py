@@ -12,16 +12,13 @@ in HBM (:func:`hbm_need`) is checked against it before any memory is touched.
 from __future__ import annotations
 
 import argparse
-import importlib
 from collections.abc import Sequence
-from functools import cache
 from typing import Any
 
 from cachedarrays import parse_size
+from embeddings.gpu.cached import STAGING_ROWS, STATE_BYTES
 
 SLACK = 64 << 20  # bytes a level keeps beyond what is counted (alignment, small objects)
-POINTER_BYTES = 8  # per row of a cached table: its pointer-table entry in HBM
-FREQUENCY_BYTES = 1  # per row of a dynamic table: its access count in HBM
 
 
 def parse_budget(text: str) -> str:
@@ -45,13 +42,14 @@ def parse_budget(text: str) -> str:
 
 
 def hbm_need(policy: str, sizes: Sequence[int], featuresize: int, cache_rows: Sequence[int]) -> int:
-    """Bytes that must be in HBM: every table under ``dram``; the cache rows and the per-row
-    pointer (and, for ``dynamic``, frequency) entries under the cached policies."""
+    """Bytes that must be in HBM: every table under ``dram``; under the cached policies each
+    table's cache and staging rows (the pointer table stays on the host) with room for row-wise
+    Adagrad's accumulator beside them."""
     if policy == "dram":
         return sum(int(n) * featuresize * 4 for n in sizes)
-    per_row = POINTER_BYTES + (FREQUENCY_BYTES if policy == "dynamic" else 0)
-    cached = 0 if policy == "simple" else sum(int(c) * featuresize * 4 for c in cache_rows)
-    return cached + per_row * sum(int(n) for n in sizes)
+    per_row = featuresize * 4 + STATE_BYTES
+    cached = 0 if policy == "simple" else sum(int(c) for c in cache_rows)
+    return per_row * (cached + STAGING_ROWS * len(sizes))
 
 
 def resolve_budget(budget: str, table_bytes: int, need: int, policy: str) -> int:
@@ -63,7 +61,7 @@ def resolve_budget(budget: str, table_bytes: int, need: int, policy: str) -> int
     if cap < need:
         from cachedarrays import format_size
         what, fix = (("every table", "or choose a cached --policy (static, dynamic, simple)") if policy == "dram"
-                     else ("the cache rows and the per-row pointers", "or lower --cache-fraction"))
+                     else ("the cache and staging rows", "or lower --cache-fraction"))
         raise SystemExit(f"error: --fast-budget {budget} ({format_size(cap)}) cannot hold what --policy {policy} "
                          f"must keep in HBM ({format_size(need)}: {what}); raise the budget {fix}")
     return cap
@@ -91,48 +89,25 @@ def make_manager(capacity: int, host_bytes: int):
     return Manager(GPU(capacity), DRAM(host_bytes), policy=LRUPolicy())
 
 
-# Where the GPU CachedEmbeddings and its prefetch may be exported (the first that has both wins).
-_CACHE_MODULES = ("embeddings.gpu.cached", "embeddings.gpu", "embeddings")
-
-
-@cache
-def cache_api() -> tuple[type, Any] | None:
-    """``(CachedEmbeddings class for a GPU manager, prefetch)``, or None where this build has none."""
-    for name in _CACHE_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ImportError:
-            continue
-        cls, fn = getattr(mod, "CachedEmbeddings", None), getattr(mod, "prefetch", None)
-        if cls is not None and callable(fn) and getattr(cls, "__module__", "").startswith("embeddings.gpu"):
-            return cls, fn
-    return None
-
-
-def require_cache_api(policy: str) -> tuple[type, Any]:
-    api = cache_api()
-    if api is None:
-        raise SystemExit(f"error: --device gpu --policy {policy} needs the GPU CachedEmbeddings, which this "
-                         f"build lacks; use --policy dram (tables in HBM)")
-    return api
+def cache_api() -> tuple[type, Any]:
+    """``(CachedEmbeddings class for a GPU manager, prefetch)``."""
+    from embeddings.gpu.cached import CachedEmbeddings, prefetch
+    return CachedEmbeddings, prefetch
 
 
 def prefetch_next(tables: Sequence[Any], indices: Sequence[Any]) -> None:
     """Start bringing the rows of the next batch (``indices[t]``, flat) into every cached GPU table."""
-    api = cache_api()
-    if api is None:
-        return
-    cls, fn = api
+    cls, fn = cache_api()
     for t, idx in zip(tables, indices):
         if isinstance(t, cls):
             fn(t, idx)
 
 
 def cache_fraction_for(budget: int, policy: str, sizes: Sequence[int], featuresize: int) -> float:
-    """The largest cache fraction whose cache rows and per-row entries (:func:`hbm_need`) fit in
+    """The largest cache fraction whose cache and staging rows (:func:`hbm_need`) fit in
     ``budget`` bytes beside :data:`SLACK`: how much of the tables a budget can cache."""
     rows = sum(int(n) for n in sizes)
     spare = budget - SLACK - hbm_need(policy, sizes, featuresize, [0] * len(sizes))
     if spare <= 0:
         return 0.0
-    return min(1.0, spare / (rows * featuresize * 4))
+    return min(1.0, spare / (rows * (featuresize * 4 + STATE_BYTES)))

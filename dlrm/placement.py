@@ -91,8 +91,8 @@ def make_tables(sizes: Sequence[int], featuresize: int, policy: str, manager: Ma
     cached = policy in ("static", "dynamic") or (on_gpu and policy == "simple")
     cache_class = CachedEmbeddings
     if on_gpu and cached:
-        from .gpu import require_cache_api
-        cache_class = require_cache_api(policy)[0]
+        from .gpu import cache_api
+        cache_class = cache_api()[0]
     if cached and not 0.0 <= cache_fraction <= 1.0:
         raise ValueError(f"cache_fraction must be in [0, 1], got {cache_fraction}")
     tables: list[EmbeddingTable] = []
@@ -126,14 +126,8 @@ def make_tables(sizes: Sequence[int], featuresize: int, policy: str, manager: Ma
 
 
 def is_cached(t: EmbeddingTable) -> bool:
-    """Whether ``t`` is a cached table (the CPU class, or the GPU one where this build has it)."""
-    if isinstance(t, CachedEmbeddings):
-        return True
-    if type(t).__module__.startswith("embeddings.gpu"):
-        from .gpu import cache_api
-        api = cache_api()
-        return api is not None and isinstance(t, api[0])
-    return False
+    """Whether ``t`` is a cached table (the CPU class, or the GPU one, which derives from it)."""
+    return isinstance(t, CachedEmbeddings)
 
 
 def table_array(t: EmbeddingTable) -> CachedArray | np.ndarray:

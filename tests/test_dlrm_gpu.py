@@ -29,12 +29,13 @@ def test_fast_budget_rejects_anything_else_naming_the_flag(text, capsys):
     assert "--fast-budget must be 'auto', a size" in capsys.readouterr().err
 
 
-def test_hbm_need_counts_tables_or_cache_rows_and_pointers():
+def test_hbm_need_counts_tables_or_cache_and_staging_rows():
     sizes, F, rows = [100, 1000], 8, [10, 100]
+    per_row = F * 4 + gpu.STATE_BYTES
     assert gpu.hbm_need("dram", sizes, F, rows) == 1100 * F * 4
-    assert gpu.hbm_need("static", sizes, F, rows) == 110 * F * 4 + 1100 * gpu.POINTER_BYTES
-    assert gpu.hbm_need("dynamic", sizes, F, rows) == 110 * F * 4 + 1100 * (gpu.POINTER_BYTES + gpu.FREQUENCY_BYTES)
-    assert gpu.hbm_need("simple", sizes, F, rows) == 1100 * gpu.POINTER_BYTES
+    assert gpu.hbm_need("static", sizes, F, rows) == (110 + 2 * gpu.STAGING_ROWS) * per_row
+    assert gpu.hbm_need("dynamic", sizes, F, rows) == (110 + 2 * gpu.STAGING_ROWS) * per_row
+    assert gpu.hbm_need("simple", sizes, F, rows) == 2 * gpu.STAGING_ROWS * per_row
 
 
 def test_resolve_budget_reads_percentages_of_the_tables_and_refuses_too_little():

@@ -10,7 +10,9 @@ until a table's data is found on a GPU.
   arithmetic in the same order: what CI checks against the numba kernels;
 * :mod:`.backend` – CUDA and reference backends behind one driver;
 * :mod:`.ops` – the driver: validation (before anything is written), update plan, dispatch;
-* :mod:`.tables` – how a table's data becomes a device array for one call (pinning a CachedArray).
+* :mod:`.tables` – how a table's data becomes a device array for one call (pinning a CachedArray);
+* :mod:`.cached` – ``CachedEmbeddings`` with its cache in HBM over a table in host memory, and
+  ``prefetch``.
 
 Outputs: ``lookup`` returns a JAX array (zero-copy through DLPack from the CuPy output, so the
 model's JAX code consumes it in place; a CuPy array where JAX has no GPU backend);
@@ -42,6 +44,8 @@ def device_array(x: Any) -> bool:
 
 def table_on_gpu(table: Any) -> bool:
     """Whether ``table`` is a SimpleEmbedding whose rows are on a GPU now (cheap for numpy data)."""
+    if getattr(table, "on_device", False):  # a GPU CachedEmbeddings (:mod:`.cached`): always its own path
+        return True
     from ..simple import SimpleEmbedding
     if type(table) is not SimpleEmbedding and not isinstance(table, SimpleEmbedding):
         return False

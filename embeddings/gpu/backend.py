@@ -58,6 +58,18 @@ class ReferenceBackend:
     def sync(self) -> None:
         pass
 
+    def pinned(self, shape: Any, dtype: Any) -> np.ndarray:
+        return np.empty(shape, dtype)
+
+    def upload(self, dst: Any, src: np.ndarray) -> None:
+        dst[...] = src
+
+    def fence(self) -> Any:
+        return None
+
+    def wait(self, fence: Any) -> None:
+        pass
+
     def check(self, flags, slot: int, idx, n: int, off, grad) -> None:
         """Set ``flags[slot + 0/1/2]`` for a bad index, bad offsets, a non-finite gradient."""
         if idx is not None and idx.size and ((idx < 0) | (idx >= n)).any():
@@ -142,6 +154,30 @@ class CudaBackend:
 
     def sync(self) -> None:
         self.xp.cuda.get_current_stream().synchronize()
+
+    def pinned(self, shape: Any, dtype: Any) -> np.ndarray:
+        """A host array in page-locked memory (what an asynchronous upload reads)."""
+        n = int(np.prod(shape))
+        mem = self.xp.cuda.alloc_pinned_memory(max(1, n * np.dtype(dtype).itemsize))
+        return np.frombuffer(mem, dtype, n).reshape(shape)
+
+    def upload(self, dst: Any, src: np.ndarray) -> None:
+        """Copy page-locked host ``src`` into contiguous device ``dst`` on the current stream,
+        without waiting: ``src`` must not change until a later :meth:`fence` is passed."""
+        cp = self.xp
+        rt = cp.cuda.runtime
+        rt.memcpyAsync(dst.data.ptr, src.ctypes.data, src.nbytes, rt.memcpyHostToDevice,
+                       cp.cuda.get_current_stream().ptr)
+
+    def fence(self) -> Any:
+        """An event after the work queued so far on the current stream."""
+        ev = self.xp.cuda.Event(disable_timing=True)
+        ev.record()
+        return ev
+
+    def wait(self, fence: Any) -> None:
+        if fence is not None:
+            fence.synchronize()
 
     def check(self, flags, slot: int, idx, n: int, off, grad) -> None:
         """One kernel over indices, offsets and gradient (any of them None)."""

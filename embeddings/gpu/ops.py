@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ..batch import make_bags
+from ..batch import Bags, make_bags
 from ..optim import SGD, RowwiseAdagrad
 from . import reference
 from .backend import Plan
@@ -102,18 +102,10 @@ def device_bags(be, name: str, nvectors: int, indices: Any, offsets: Any = None,
     if not be.is_device(indices):
         bags = make_bags(name, nvectors, indices, offsets, weights, mode)
         grad = grad_fn(bags.nout) if grad_fn is not None else None
-        if bags.offsets is None:
-            off, k = None, 1
-        elif offsets is None:  # (batch, k) indices: fixed-width bags, no offsets to upload
-            off, k = None, bags.shape[1]
-        else:
-            off, k = be.asarray(bags.offsets), 0
-        w = be.asarray(bags.weights) if bags.weights.size else None
         pending = None
         if grad is not None:
-            be.check(flags, slot, None, nvectors, None, grad)
-            pending = Pending(flags, slot, None, _grad_error(be, name, grad))
-        return DeviceBags(be.asarray(bags.indices), off, k, w, bags.mean, bags.nout), grad, pending
+            pending = check_finite(be, name, grad, flags, slot)
+        return upload_bags(be, bags, offsets is not None), grad, pending
     idx = be.asarray(indices)
     off = None if offsets is None else be.asarray(offsets)
     w = None if weights is None else be.asarray(weights)
@@ -143,6 +135,27 @@ def device_bags(be, name: str, nvectors: int, indices: Any, offsets: Any = None,
     if w is not None:
         w = be.xp.ascontiguousarray(w.astype(np.float32, copy=False)).reshape(-1)
     return DeviceBags(flat, off, k, w, mode == "mean", nout), grad, pending
+
+
+def upload_bags(be, bags: Bags, csr: bool, idx: Any = None) -> DeviceBags:
+    """A host-validated batch on the device; ``csr``: the caller gave offsets (else 2-d
+    ``(batch, k)`` indices are fixed-width bags with no offsets to upload); ``idx``: other flat
+    indices to upload in place of ``bags.indices`` (a cached table's slots)."""
+    if bags.offsets is None:
+        off, k = None, 1
+    elif not csr:
+        off, k = None, bags.shape[1]
+    else:
+        off, k = be.asarray(bags.offsets), 0
+    w = be.asarray(bags.weights) if bags.weights.size else None
+    flat = bags.indices if idx is None else idx
+    return DeviceBags(be.asarray(flat), off, k, w, bags.mean, bags.nout)
+
+
+def check_finite(be, name: str, grad: Any, flags: Any, slot: int = 0) -> Pending:
+    """Check a device gradient's finiteness in flight into ``flags[slot + 2]``."""
+    be.check(flags, slot, None, 0, None, grad)
+    return Pending(flags, slot, None, _grad_error(be, name, grad))
 
 
 def _grad_error(be, name: str, grad: Any) -> Callable[[], None]:

@@ -16,8 +16,9 @@ import numpy as np
 
 from cachedarrays import CachedArray, readable, writable
 
+from ..batch import make_bags
 from ..optim import RowwiseAdagrad
-from . import ops
+from . import cached, ops
 from .backend import cuda_backend
 from .handoff import to_jax
 
@@ -41,8 +42,16 @@ def as_output(out: Any) -> Any:
     return to_jax(out)
 
 
+def _cached(table: Any) -> bool:
+    return getattr(table, "on_device", False)
+
+
 def lookup(table: Any, indices: Any, offsets: Any, mode: str | None, weights: Any, out: Any = None) -> Any:
-    """``lookup`` / ``lookup_into`` of a SimpleEmbedding on a GPU (``NotImplemented``: on the host now)."""
+    """``lookup`` / ``lookup_into`` of a SimpleEmbedding on a GPU (``NotImplemented``: on the host
+    now) or of a GPU CachedEmbeddings."""
+    if _cached(table):
+        result = cached.lookup(table, indices, offsets, mode, weights, out)
+        return result if out is not None or isinstance(result, np.ndarray) else as_output(result)
     be = cuda_backend()
     if type(table.data) is be.xp.ndarray:  # nothing to pin: the common case without a context manager
         result = ops.lookup(be, table.name, table.data, indices, offsets, mode=mode, weights=weights, out=out)
@@ -85,7 +94,10 @@ def apply(table: Any, prep: ops.PreparedUpdate, optimizer: Any) -> Any:
 
 def pullback(table: Any, grad: Any, indices: Any, offsets: Any, mode: str | None, weights: Any,
              optimizer: Any) -> Any:
-    """``pullback`` of a SimpleEmbedding on a GPU (``NotImplemented``: on the host now)."""
+    """``pullback`` of a SimpleEmbedding on a GPU (``NotImplemented``: on the host now) or of a
+    GPU CachedEmbeddings."""
+    if _cached(table):
+        return cached.pullback(table, grad, indices, offsets, mode, weights, optimizer)
     return apply(table, prepare(table, grad, indices, offsets, mode, weights, optimizer), optimizer)
 
 
@@ -102,6 +114,8 @@ def ensemble_lookup(tables: list, indices, offsets, mode, weights, out: Any = No
     """Every table into ``(batch, tables, featuresize)``. Host batches are validated before any
     kernel runs; device batches are checked by the kernels (a new output) or before them (``out``),
     and every table's error is raised in table order before the result is returned."""
+    if any(_cached(t) for t in tables):
+        return _ensemble_lookup_per_table(tables, indices, offsets, mode, weights, out)
     be = cuda_backend()
     T = len(tables)
     offsets, weights = _per_table(T, indices, offsets, weights)
@@ -131,8 +145,42 @@ def ensemble_lookup(tables: list, indices, offsets, mode, weights, out: Any = No
     return res if out is not None else as_output(res)
 
 
+def _ensemble_lookup_per_table(tables: list, indices, offsets, mode, weights, out: Any) -> Any:
+    """An ensemble with GPU cached tables: every batch validated, then one lookup per table."""
+    T = len(tables)
+    offsets, weights = _per_table(T, indices, offsets, weights)
+    bags = [t.validate(i, o, w, mode) if _cached(t) else None for t, i, o, w in zip(tables, indices, offsets, weights)]
+    parts = [cached.lookup(t, i, o, mode, w) if _cached(t) else _raw_lookup(t, i, o, mode, w)
+             for t, i, o, w in zip(tables, indices, offsets, weights)]
+    _same_batch([p.shape[0] for p in parts] + [b.nout for b in bags if b is not None])
+    xp = np if isinstance(parts[0], np.ndarray) else cuda_backend().xp
+    if out is None:
+        res = xp.stack(parts, axis=1)
+        return res if isinstance(res, np.ndarray) else as_output(res)
+    F = tables[0].featuresize()
+    ops.check_out(cuda_backend() if xp is not np else _host_backend(), out, (parts[0].shape[0], T, F), "ensemble")
+    for i, p in enumerate(parts):
+        out[:, i, :] = p
+    return out
+
+
+def _raw_lookup(table: Any, indices, offsets, mode, weights) -> Any:
+    """A SimpleEmbedding on the GPU's lookup as a CuPy array."""
+    with device_rows(table.data, write=False) as W:
+        if W is None:
+            raise RuntimeError(f"{table.name}: moved off the GPU during an ensemble lookup")
+        return ops.lookup(cuda_backend(), table.name, W, indices, offsets, mode=mode, weights=weights)
+
+
+def _host_backend() -> Any:
+    from .backend import ReferenceBackend
+    return ReferenceBackend()
+
+
 def ensemble_pullback(tables: list, grad: Any, indices, offsets, mode, weights, optimizer) -> None:
     """Every table's update; all validated (indices, gradient, finiteness) before any table changes."""
+    if any(_cached(t) for t in tables):
+        return _ensemble_pullback_per_table(tables, grad, indices, offsets, mode, weights, optimizer)
     be = cuda_backend()
     T = len(tables)
     offsets, weights = _per_table(T, indices, offsets, weights)
@@ -153,3 +201,24 @@ def ensemble_pullback(tables: list, grad: Any, indices, offsets, mode, weights, 
 def _same_batch(n: list[int]) -> None:
     if len(set(n)) != 1:
         raise ValueError(f"all tables must produce the same batch size, got {sorted(set(n))}")
+
+
+def _ensemble_pullback_per_table(tables: list, grad: Any, indices, offsets, mode, weights, optimizer) -> None:
+    """An ensemble with GPU cached tables: every table's batch and gradient (shape and
+    finiteness, on a host copy) checked before any table changes, then one update per table."""
+    T = len(tables)
+    offsets, weights = _per_table(T, indices, offsets, weights)
+    ops.check_optimizer(optimizer)
+    host = np.asarray(grad) if isinstance(grad, np.ndarray) else cuda_backend().to_host(grad)
+    F = tables[0].featuresize()
+    if host.ndim != 3 or host.shape[1:] != (T, F):
+        raise ValueError(f"ensemble gradient shape {tuple(host.shape)}, expected (batch, {T}, {F})")
+    for i, (t, i_, o, w) in enumerate(zip(tables, indices, offsets, weights)):
+        bags = t.validate(i_, o, w, mode) if _cached(t) else make_bags(t.name, t.nvectors(), i_, o, w, mode)
+        if bags.nout != host.shape[0]:
+            raise ValueError(f"{t.name}: gradient shape {(host.shape[0], F)}, expected {(bags.nout, F)}")
+        bad = np.flatnonzero(~np.isfinite(host[:, i, :]).all(axis=1))
+        if bad.size:
+            raise ops.nonfinite_error(t.name, int(bad[0]))
+    for i, (t, i_, o, w) in enumerate(zip(tables, indices, offsets, weights)):
+        pullback(t, grad[:, i, :], i_, o, mode, w, optimizer)

@@ -229,3 +229,12 @@ def count_hits_serial(ptr, idx, counts):
     h = _count_chunk(ptr, idx, 0, idx.size)
     counts[0] += h
     counts[1] += idx.size - h
+
+
+@njit(parallel=True, cache=True)
+def cache_slots(cache, ptr, idx, out):
+    """``out[i]`` = the slot of ``cache`` holding row ``idx[i]``, or -1 where the row is not cached
+    (a GPU table's lookups read the device copy of the cache by slot)."""
+    for i in prange(idx.size):
+        e = ptr[idx[i]]
+        out[i] = slot_of(cache, e) if e & CACHED else -1

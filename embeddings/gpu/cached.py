@@ -1,0 +1,528 @@
+"""The GPU ``CachedEmbeddings``: hot rows cached in HBM over a table in host memory (issue #19).
+
+Layout. The base table is a CachedArray in a host level of the manager (page-locked DRAM under
+a GPU); the cache is a ring of rows in the manager's fast level (HBM), followed by a staging
+area for the rows a batch uses that are not cached. The bookkeeping is the CPU cache's
+(:mod:`embeddings.kernels.cache`, on the host): pointer table, back-edges, reference counters,
+the ring's head and tail, over a page-locked host mirror of the ring that admitted rows are
+gathered into and copied up from asynchronously. The host resolves each batch's indices to
+device slots where the batch is anyway, so the pointer table needs no HBM and adds no traffic
+(the slots go up in place of the indices), and the GPU kernels of :mod:`.ops` run on the device
+ring as on any table. A row's updates keep batch order, so results equal the uncached table's
+bit for bit.
+
+Policies. ``dynamic`` admits every row a batch touches (as FBGEMM's UVM cache does), so a
+batch's kernels read only HBM; when full it flushes its oldest pages (a second chance for rows
+hit since they were cached), moving rows on the device and writing evicted rows back when the
+table holds updates. ``static`` holds a fixed hot set; ``simple`` caches nothing. A batch's rows
+that are not cached go through the staging area: gathered on the host, copied up, and after an
+update copied back before the next batch is resolved.
+
+Prefetch. :func:`prefetch` admits the next batch's rows while the current batch computes, but
+never flushes (a flush could move rows the current batch still uses) and admits nothing while
+the current batch has staged rows (their updates have not reached the base table yet): new rows
+go into free slots, their upload queued on the device stream behind the current lookup.
+
+On a manager without a GPU the same code runs with numpy arrays as the "device" (the reference
+backend of :mod:`.backend`), which is what CI tests.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from cachedarrays import CachedArray, Manager, evict, unsafe_free, writable
+
+from .. import cached as C
+from ..batch import Bags, make_bags
+from ..kernels import cache as K
+from ..kernels.rowaccess import entries
+from ..optim import RowwiseAdagrad
+from ..protocol import Context, RowSource
+from . import ops
+from .backend import ReferenceBackend, cuda_backend
+
+STAGING_ROWS = 4096  # the staging area's initial rows
+STATE_BYTES = 4  # per cache or staging row of a table trained with row-wise Adagrad: its accumulator
+_EMPTY = np.empty(0, np.int64)
+_NO_FREQ = np.empty(0, np.uint8)
+
+
+class CachedEmbeddings(C.CachedEmbeddings):
+    """An embedding table in host memory whose hot rows are cached in the manager's fast level
+    (HBM on a GPU manager); the arguments are those of :class:`embeddings.CachedEmbeddings`
+    (the dynamic policy admits every accessed row, so ``admit`` and ``age_window`` are not taken).
+    Tables are float32. ``staging_rows``: the staging area's initial size (it grows on demand)."""
+
+    on_device = True  # lookups and updates take embeddings.gpu.tables, not the CPU kernels
+
+    def __init__(self, base: Any, manager: Manager | None = None, *, policy: str = "dynamic",
+                 cache_rows: int | None = None, cache_fraction: float = 0.1, cacheslack: int | None = None,
+                 page_rows: int | None = None, hot: Any = None, seed: int = 0, second_chance: bool = True,
+                 staging_rows: int = STAGING_ROWS, name: str = "table") -> None:
+        if policy not in C.POLICIES:
+            raise ValueError(f"{name}: unknown policy {policy!r}; choose from {C.POLICIES}")
+        if isinstance(base, CachedArray):
+            manager = base.manager
+        elif manager is None:
+            raise TypeError(f"{name}: a manager is needed to place a plain array in its host memory")
+        else:
+            base = CachedArray(np.asarray(base), manager, place="slow")
+        self.name, self.manager, self.policy, self.second_chance = name, manager, policy, second_chance
+        if manager.policy.in_fast(base.object):
+            evict(base)
+        self.base_array = base
+        self._pins = [writable(base)]
+        view = self._pins[0].array
+        if not isinstance(view, np.ndarray):
+            self.close()
+            raise ValueError(f"{name}: the base table must be in host memory; {manager.fast.name} holds the cache")
+        if view.dtype != np.float32 or view.ndim != 2 or not view.flags.c_contiguous:
+            self.close()
+            raise TypeError(f"{name}: the base table must be a row-major 2-d float32 array, got "
+                            f"{view.dtype} {view.shape}")
+        self._codec, self._dtype, self._base = None, view.dtype, view
+        nvectors, F = view.shape
+        self._rowbytes = F * 4
+        self.counts = np.zeros(3, np.int64)
+        self._scratch = np.zeros(3, np.int64)  # counts of a batch already counted by its prefetch
+        self.rows_written_back = self.flushes = 0
+        self._dirty = self._filling = False
+        self._freq = _NO_FREQ
+        self.admit, self.age_window = 1, 1.0
+        self.state = np.zeros(5, np.int64)
+        self.cachelower = self.cacheslack = 0
+        self._generation = 0  # changes whenever a resolved slot may stop holding its row
+        self._memo: tuple | None = None
+        self._counted = False  # the next resolution was counted by a prefetch
+        self._staged, self._staged_dirty = _EMPTY, False
+        self._inflight = None  # fence after the last upload from a host buffer
+        self._opt = self._hstate = None
+        self._dstate = None
+        rows = 0
+        if policy != "simple":
+            rows = int(cache_rows) if cache_rows is not None else max(1, int(round(cache_fraction * nvectors)))
+            if not 1 <= rows <= nvectors:
+                self.close()
+                raise ValueError(f"{name}: cache of {rows} rows must hold between 1 and {nvectors} rows")
+        self.page_rows = int(page_rows or max(1, min(-(-max(rows, 1) // C.PAGES_PER_CACHE),
+                                                     C.PAGE_BYTES // max(1, self._rowbytes))))
+        ring = -(-rows // self.page_rows) * self.page_rows
+        self._ring = ring
+        self._dev: list = []  # pinned views of the device arrays
+        self._W = self._device_array((ring + max(1, int(staging_rows)), F))
+        self.backend = ReferenceBackend() if isinstance(self._W, np.ndarray) else cuda_backend()
+        self._hstage = self.backend.pinned((self._W.shape[0] - ring, F), np.float32)
+        self._cache = self.backend.pinned((ring, F), np.float32)  # the host mirror of the ring
+        self._ptr = self._slots = self._backedge = self._ref = None
+        if policy == "simple":
+            return
+        self._ptr = entries(self._base, np.arange(nvectors))
+        self._slots = self._ptr
+        self._backedge = np.full(ring, -1, np.int64)
+        self._ref = np.zeros(ring, np.uint8)
+        self.state[:] = (0, 0, rows, ring, 0)
+        slack = min(rows, int(cacheslack if cacheslack is not None else max(self.page_rows, rows // 10)))
+        self._set_bounds(rows - slack, slack)
+        if policy == "static":
+            self._fill_static(hot, seed)
+
+    def _device_array(self, shape: tuple, dtype: Any = np.float32) -> Any:
+        """A new array in the manager's fast level, pinned while the table is open."""
+        try:
+            arr = CachedArray(shape, self.manager, dtype, place="fast")
+        except MemoryError as e:
+            raise MemoryError(f"{self.name}: {shape} {np.dtype(dtype)} does not fit {self.manager.fast.name}: {e}") \
+                from None
+        view = writable(arr)
+        self._dev.append(view)
+        return view.array
+
+    def _drop_device_array(self, arr: Any) -> None:
+        for i, v in enumerate(self._dev):
+            if v.array is arr:
+                del self._dev[i]
+                v.release()
+                unsafe_free([v])
+                return
+
+    # ------------------------------------------------------------------ table protocol
+    def rows(self, context: Context | None, indices: np.ndarray | None = None,
+             writable: bool = False) -> RowSource:
+        raise TypeError(f"{self.name}: a GPU cached table has no host row source; use embeddings.lookup / pullback")
+
+    # ------------------------------------------------------------------ resolution
+    def validate(self, indices: Any, offsets: Any, weights: Any, mode: str | None) -> Bags:
+        """The batch checked as the CPU checks it (device arrays are read back first)."""
+        self._check_open()
+        be = self.backend
+        host = [None if x is None else (be.to_host(x) if be.is_device(x) or _on_device(x) else x)
+                for x in (indices, offsets, weights)]
+        return make_bags(self.name, self.nvectors(), host[0], host[1], host[2], mode)
+
+    def resolve(self, indices: Any, offsets: Any, weights: Any, mode: str | None,
+                bags: Bags | None = None, reuse: bool = False) -> ops.DeviceBags:
+        """The batch on the device with each index replaced by the slot holding its row (admitting
+        rows under the dynamic policy, staging the rest). ``reuse`` (a lookup's update): the last
+        resolution of the same arguments while its slots still hold their rows."""
+        memo = self._memo
+        if reuse and memo is not None and memo[0] is indices and memo[1] is offsets and memo[2] is weights \
+                and memo[3] == mode and memo[4] == self._generation:
+            return memo[5]
+        bags = self.validate(indices, offsets, weights, mode) if bags is None else bags
+        flat = bags.indices.astype(np.int64, copy=False)
+        self._finish_staging()
+        if self.policy == "dynamic":
+            counts = self._scratch if self._counted else self.counts
+            self._admit(flat, flush=True, counts=counts)
+        elif self.policy == "static":
+            self.access(flat)
+        else:
+            self.counts[1] += flat.size
+        self._counted = False
+        slots = np.empty(flat.size, np.int64)
+        if self.policy == "simple":
+            slots.fill(-1)
+        elif flat.size:
+            K.cache_slots(self._cache, self._ptr, flat, slots)
+        miss = slots < 0
+        if miss.any():
+            slots[miss] = self._stage(flat[miss])
+        dtype = np.int32 if self._W.shape[0] < 2 ** 31 else np.int64
+        dbags = ops.upload_bags(self.backend, bags, offsets is not None, slots.astype(dtype))
+        self._memo = (indices, offsets, weights, mode, self._generation, dbags)
+        return dbags
+
+    def _admit(self, flat: np.ndarray, flush: bool, counts: np.ndarray) -> None:
+        """Cache the uncached rows of ``flat`` while room lasts (flushing first when full and
+        ``flush``) and queue their upload."""
+        self.backend.wait(self._inflight)  # the ring's host mirror is the source of queued uploads
+        if self.isfull():
+            if not flush:
+                return
+            self._flush(self.cachelower, self._dirty)
+        if flat.size == 0:
+            return
+        h0 = int(self.state[K.HEAD])
+        self.state[K.ADMIT] = 0  # no access counts: every miss is admitted
+        if self._small(flat):
+            K.access_and_cache_serial(self._base, self._cache, self._ptr, self._backedge, self._ref, _NO_FREQ,
+                                      self.state, flat, 0, counts)
+        else:
+            K.access_and_cache(self._base, self._cache, self._ptr, self._backedge, self._ref, _NO_FREQ,
+                               self.state, flat, C._nchunks(flat.size), counts)
+        self._upload_ring(h0, int(self.state[K.HEAD]))
+
+    def _upload_ring(self, h0: int, h1: int) -> None:
+        """Queue the upload of ring positions ``[h0, h1)`` from the host mirror (rows and state)."""
+        if h1 <= h0:
+            return
+        t0 = time.perf_counter()
+        be, ring = self.backend, self._ring
+        for a, b in _ranges(h0, h1, ring):
+            be.upload(self._W[a:b], self._cache[a:b])
+            if self._dstate is not None:
+                buf = self._sstage[a:b]
+                np.take(self._hstate, self._backedge[a:b], out=buf)
+                be.upload(self._dstate[a:b], buf)
+        self._inflight = be.fence()
+        self._account_cached(h1 - h0, time.perf_counter() - t0)
+
+    def _stage(self, rows: np.ndarray) -> np.ndarray:
+        """Copy the distinct ``rows`` into the staging area; their slots, aligned with ``rows``."""
+        uniq, inv = np.unique(rows, return_inverse=True)
+        S, ring, be = uniq.size, self._ring, self.backend
+        self._grow_staging(S)
+        be.wait(self._inflight)
+        t0 = time.perf_counter()
+        np.take(self._base, uniq, axis=0, out=self._hstage[:S])
+        be.upload(self._W[ring:ring + S], self._hstage[:S])
+        if self._dstate is not None:
+            np.take(self._hstate, uniq, out=self._sstage_tail[:S])
+            be.upload(self._dstate[ring:ring + S], self._sstage_tail[:S])
+        self._inflight = be.fence()
+        self._staged = uniq
+        self._generation += 1
+        self.manager.account(self.manager.slow, self.manager.fast, S * self._rowbytes, time.perf_counter() - t0)
+        return ring + inv.reshape(-1)
+
+    def _grow_staging(self, S: int) -> None:
+        """Room for ``S`` staged rows (the staging area is empty when this is called)."""
+        have = self._W.shape[0] - self._ring
+        if S <= have:
+            return
+        new = max(S, 2 * have)
+        ring, F = self._ring, self.featuresize()
+        self.backend.wait(self._inflight)
+        old = self._W
+        self._W = self._device_array((ring + new, F))
+        self._W[:ring] = old[:ring]
+        self._drop_device_array(old)
+        self._hstage = self.backend.pinned((new, F), np.float32)
+        if self._dstate is not None:
+            olds = self._dstate
+            self._dstate = self._device_array((ring + new,))
+            self._dstate[:ring] = olds[:ring]
+            self._drop_device_array(olds)
+            self._sstage_tail = self.backend.pinned((new,), np.float32)
+        self._generation += 1
+
+    def _finish_staging(self) -> None:
+        """Write updated staged rows back to the base table (waits for their update) and empty
+        the staging area."""
+        if self._staged.size == 0:
+            return
+        if self._staged_dirty:
+            t0 = time.perf_counter()
+            S, ring, be = self._staged.size, self._ring, self.backend
+            self._base[self._staged] = be.to_host(self._W[ring:ring + S])
+            if self._dstate is not None:
+                self._hstate[self._staged] = be.to_host(self._dstate[ring:ring + S])
+            self.manager.account(self.manager.fast, self.manager.slow, S * self._rowbytes, time.perf_counter() - t0)
+        self._staged, self._staged_dirty = _EMPTY, False
+        self._generation += 1
+
+    def updated(self, optimizer: Any) -> None:
+        """Note that the last resolved batch was updated (its staged rows must go back)."""
+        self._dirty = True
+        self._staged_dirty = self._staged.size > 0
+
+    def device_state(self, optimizer: Any) -> Any:
+        """The device accumulator of row-wise Adagrad, by slot (None for SGD): created from the
+        optimizer's host accumulator, which holds the rows that are not on the device."""
+        if not isinstance(optimizer, RowwiseAdagrad):
+            return None
+        if self._opt is optimizer:
+            return self._dstate
+        if self._opt is not None:
+            self._state_down()
+            self._drop_device_array(self._dstate)
+        self._hstate = optimizer.state(self)
+        ring = self._ring
+        self._dstate = self._device_array((self._W.shape[0],), np.float32)
+        self._sstage = self.backend.pinned((ring,), np.float32)
+        self._sstage_tail = self.backend.pinned((self._W.shape[0] - ring,), np.float32)
+        if ring:
+            self._dstate[:ring] = self.backend.asarray(
+                np.where(self._backedge >= 0, self._hstate[np.maximum(self._backedge, 0)], 0).astype(np.float32))
+        S = self._staged.size
+        if S:
+            self._dstate[ring:ring + S] = self.backend.asarray(self._hstate[self._staged])
+        self._opt = optimizer
+        return self._dstate
+
+    def _state_down(self) -> None:
+        """Copy the device accumulator of every cached and staged row into the host one."""
+        if self._dstate is None:
+            return
+        live = self._live_slots()
+        if live.size:
+            self._hstate[self._backedge[live]] = self.backend.to_host(self._dstate[self.backend.asarray(live)])
+        S = self._staged.size
+        if S and self._staged_dirty:
+            self._hstate[self._staged] = self.backend.to_host(self._dstate[self._ring:self._ring + S])
+
+    def _live_slots(self) -> np.ndarray:
+        if self.policy == "simple":
+            return _EMPTY
+        tail, head = int(self.state[K.TAIL]), int(self.state[K.HEAD])
+        return np.arange(tail, head, dtype=np.int64) % max(self._ring, 1)
+
+    # ------------------------------------------------------------------ the CPU cache's operations
+    def access_and_cache(self, indices: np.ndarray) -> None:
+        """Cache the rows of ``indices`` that are not cached, while room lasts (flushing first if full)."""
+        self._check_open()
+        if self.policy == "dynamic":
+            self._admit(np.ascontiguousarray(indices, np.int64).ravel(), flush=True, counts=self.counts)
+
+    def prefetch(self, indices: Any) -> bool:
+        """Admit the rows of ``indices`` (the next batch) while the current batch computes;
+        whether anything was admitted. Counts this batch's hits and misses (its lookup then
+        does not)."""
+        self._check_open()
+        if self.policy != "dynamic" or self._staged.size or self.isfull():
+            return False
+        idx = self.validate(indices, None, None, None).indices.astype(np.int64, copy=False)
+        self._admit(idx, flush=False, counts=self.counts)
+        self._counted = True
+        return True
+
+    def _flush(self, target: int | None, writeback: bool) -> None:
+        """Drop the oldest pages until at most ``target`` rows stay: the host bookkeeping moves
+        spared rows to the head and uncaches the rest; the device copies follow round by round
+        (a round ends where the pages reach rows this flush moved), evicted rows going back to
+        the base table when ``writeback``."""
+        if self.policy == "simple":
+            return
+        target = self.cachelower if target is None else int(target)
+        if self.cached_rows <= target:
+            return
+        self.backend.wait(self._inflight)
+        spare = self.second_chance and target > 0
+        ring, page = self._ring, self.page_rows
+        t0 = time.perf_counter()
+        written = 0
+        moves: list = []
+        round_head = int(self.state[K.HEAD])
+        while self.cached_rows > target:
+            tail, head = int(self.state[K.TAIL]), int(self.state[K.HEAD])
+            if tail >= round_head:
+                written += self._apply_moves(moves, writeback)
+                moves, round_head = [], head
+            stop = min((tail // page + 1) * page, head, round_head)  # a page may reach into this round's moves
+            slots = np.arange(tail, stop, dtype=np.int64) % ring
+            rows, refs = self._backedge[slots], self._ref[slots]
+            K.flush_page(self._base, self._cache, self._ptr, self._backedge, self._ref, self.state, stop, False,
+                         spare)
+            live = rows >= 0
+            moved = live & (refs > 0) if spare else np.zeros_like(live)
+            dst = (head + np.arange(int(moved.sum()), dtype=np.int64)) % ring
+            moves.append((slots[moved], dst, slots[live & ~moved], rows[live & ~moved]))
+        written += self._apply_moves(moves, writeback)
+        self.flushes += 1
+        self._generation += 1
+        if self.cached_rows == 0:
+            self._dirty = False
+        if written:
+            self.rows_written_back += written
+            self.manager.account(self.manager.fast, self.manager.slow, written * self._rowbytes,
+                                 time.perf_counter() - t0)
+
+    def _apply_moves(self, moves: list, writeback: bool) -> int:
+        """The device side of flushed pages: evicted rows read back (when ``writeback``), spared
+        rows moved to their new slots; every source is read before any destination is written."""
+        if not moves:
+            return 0
+        be, xp = self.backend, self.backend.xp
+        src, dst, ev, evrows = (np.concatenate(parts) for parts in zip(*moves))
+        arrays = [(self._W, self._base)] + ([(self._dstate, self._hstate)] if self._dstate is not None else [])
+        written = 0
+        if writeback and ev.size:
+            at = be.asarray(ev)
+            for dev, home in arrays:
+                home[evrows] = be.to_host(dev[at])
+            written = int(ev.size)
+        if src.size:
+            s, d = be.asarray(src), be.asarray(dst)
+            for dev, _ in arrays:
+                dev[d] = dev[s]
+        return written
+
+    def writeback(self) -> None:
+        """Copy every cached and staged row back to the base table and keep it cached (e.g. before
+        a checkpoint); Adagrad's accumulator too."""
+        self._check_open()
+        self._finish_staging()
+        if self._dirty and self.policy != "simple":
+            t0 = time.perf_counter()
+            live = self._live_slots()
+            if live.size:
+                self._base[self._backedge[live]] = self.backend.to_host(self._W[self.backend.asarray(live)])
+                self.rows_written_back += int(live.size)
+                self.manager.account(self.manager.fast, self.manager.slow, live.size * self._rowbytes,
+                                     time.perf_counter() - t0)
+        self._state_down()
+        self._dirty = False
+
+    def invalidate(self) -> None:
+        """Drop every cached and staged row without writing it back, after the base table (and the
+        optimizer's host state) were replaced, e.g. by loading a checkpoint."""
+        self._check_open()
+        self._staged, self._staged_dirty = _EMPTY, False
+        self._dirty = False
+        if self._dstate is not None:
+            self._drop_device_array(self._dstate)
+        self._opt = self._hstate = self._dstate = None
+        self._flush(0, writeback=False)
+        self._generation += 1
+        if self.policy == "static":
+            self._refill()
+
+    def _refill(self) -> None:
+        rows = self._hot
+        limit = int(self.state[K.LIMIT])
+        h0 = int(self.state[K.HEAD])
+        K.access_and_cache_serial(self._base, self._cache, self._ptr, self._backedge, self._ref, _NO_FREQ,
+                                  self.state, rows.astype(np.int64)[:limit], 0, self.counts)
+        self._upload_ring(h0, int(self.state[K.HEAD]))
+        self.counts[:] = 0  # the fill is not traffic of the workload
+
+    def close(self) -> None:
+        """Write everything back (if the table holds updates), then free the device arrays."""
+        if not self._pins:
+            return
+        if getattr(self, "_dev", None):
+            self.writeback()
+            self._flush(0, writeback=False)
+        for v in getattr(self, "_dev", []):
+            v.release()
+        unsafe_free(list(getattr(self, "_dev", [])))
+        self._dev = []
+        views, self._pins = self._pins, []
+        for v in views:
+            v.release()
+        self._W = self._dstate = None
+        self._memo = None
+
+    def check(self) -> None:
+        """The CPU cache's invariants over the host bookkeeping, plus: nothing staged is pending
+        unless something is staged."""
+        super().check()
+        if self._staged_dirty and self._staged.size == 0:
+            raise C.InvariantError(f"{self.name}: staged rows marked updated but none staged")
+
+    def __repr__(self) -> str:
+        return (f"gpu.CachedEmbeddings({self.name!r}, {self.policy}, nvectors={self.nvectors()}, "
+                f"featuresize={self.featuresize()}, cached={self.cached_rows})")
+
+
+def _on_device(x: Any) -> bool:
+    from . import device_array
+    return device_array(x)
+
+
+def _ranges(h0: int, h1: int, ring: int) -> list[tuple[int, int]]:
+    """Ring positions ``[h0, h1)`` as at most two slot ranges."""
+    a, b = h0 % ring, h0 % ring + (h1 - h0)
+    return [(a, b)] if b <= ring else [(a, ring), (0, b - ring)]
+
+
+def prefetch(table: Any, next_indices: Any) -> bool:
+    """Start bringing the rows of ``next_indices`` (the next batch of ``table``) into HBM while the
+    current batch computes; whether anything was admitted (a GPU CachedEmbeddings under the
+    dynamic policy with room left; other tables ignore it)."""
+    if isinstance(table, CachedEmbeddings):
+        return table.prefetch(next_indices)
+    return False
+
+
+def lookup(table: CachedEmbeddings, indices: Any, offsets: Any, mode: str | None, weights: Any,
+           out: Any = None) -> Any:
+    """``lookup`` / ``lookup_into`` of a GPU cached table."""
+    be = table.backend
+    dbags = table.resolve(indices, offsets, weights, mode)
+    shape = (dbags.nout, table.featuresize())
+    if out is None:
+        res = be.xp.empty(shape, np.float32)
+    else:
+        ops.check_out(be, out, shape, table.name)
+        res = out
+    ops.run_pooled(be, res, table._W, dbags)
+    return res
+
+
+def pullback(table: CachedEmbeddings, grad: Any, indices: Any, offsets: Any, mode: str | None, weights: Any,
+             optimizer: Any) -> None:
+    """``pullback`` of a GPU cached table: checked in the CPU's order before anything is written."""
+    ops.check_optimizer(optimizer)
+    be = table.backend
+    bags = table.validate(indices, offsets, weights, mode)
+    g = ops.check_grad(be, table.name, grad, bags.nout, table.featuresize())
+    pending = ops.check_finite(be, table.name, g, be.flags(3)) if g.size else None
+    dbags = table.resolve(indices, offsets, weights, mode, bags, reuse=True)
+    state = table.device_state(optimizer)
+    ops.apply_pullback(be, table._W, state, ops.PreparedUpdate(dbags, g, pending), optimizer)
+    table.updated(optimizer)

@@ -1,0 +1,388 @@
+"""The GPU CachedEmbeddings (embeddings.gpu.cached): on a manager without a GPU its "device" is
+numpy (the reference backend), which runs every line of the cache's logic on CI; the same tests
+run against CuPy on a GPU manager where a GPU exists.
+
+The reference for every lookup and update is the uncached GPU path (embeddings.gpu.ops over a
+plain table on the same backend): resolving indices to cache slots must not change a single bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import embeddings as E
+from cachedarrays import DRAM, PM, LRUPolicy, Manager, readable
+from cachedarrays.devices import gpu as gpu_device
+from embeddings.gpu import ops
+from embeddings.gpu.backend import ReferenceBackend
+from embeddings.gpu.cached import CachedEmbeddings, prefetch
+from embeddings.kernels import cache as K
+
+N, F = 400, 8
+
+
+def host_manager(tmp_path=None) -> Manager:
+    slow = PM(tmp_path, "8MiB") if tmp_path is not None else DRAM("8MiB", name="host")
+    return Manager(DRAM("4MiB", name="fast"), slow, policy=LRUPolicy())
+
+
+def zipf_batch(rng, nbags: int, k: int, n: int = N) -> np.ndarray:
+    return ((rng.zipf(1.3, (nbags, k)) - 1) % n).astype(np.int64)
+
+
+def contents(t: CachedEmbeddings) -> np.ndarray:
+    """The table as a reader sees it, without side effects: base rows, with every cached row taken
+    from its device slot and updated staged rows from the staging area."""
+    with readable(t.base_array) as v:
+        out = np.array(v)
+    W = t._W if isinstance(t._W, np.ndarray) else t._W.get()
+    if t.policy != "simple":
+        for p in range(int(t.state[K.TAIL]), int(t.state[K.HEAD])):
+            s = p % t._ring
+            out[t._backedge[s]] = W[s]
+    if t._staged_dirty:
+        out[t._staged] = W[t._ring:t._ring + t._staged.size]
+    return out
+
+
+def base_rows(t: CachedEmbeddings) -> np.ndarray:
+    with readable(t.base_array) as v:
+        return np.array(v)
+
+
+class Reference:
+    """The uncached GPU path on a plain table of the same backend."""
+
+    def __init__(self, W: np.ndarray, be=None) -> None:
+        self.be = be or ReferenceBackend()
+        self.W = self.be.asarray(W.copy())
+        self.state = self.be.asarray(np.zeros(W.shape[0], np.float32))
+
+    def lookup(self, *args, **kw):
+        return ops.lookup(self.be, "ref", self.W, *args, **kw)
+
+    def pullback(self, grad, idx, offsets=None, *, optimizer, **kw):
+        st_ = self.state if isinstance(optimizer, E.RowwiseAdagrad) else None
+        ops.pullback(self.be, "ref", self.W, st_, grad, idx, offsets, optimizer=optimizer, **kw)
+
+
+def _as_np(x) -> np.ndarray:
+    return x.get() if hasattr(x, "get") else np.asarray(x)
+
+
+@pytest.mark.parametrize("policy", ["dynamic", "static", "simple"])
+@pytest.mark.parametrize("opt", ["sgd", "adagrad"])
+def test_lookups_and_updates_equal_the_uncached_table_bit_for_bit(policy, opt):
+    rng = np.random.default_rng(1)
+    W0 = rng.standard_normal((N, F)).astype(np.float32)
+    m = host_manager()
+    t = CachedEmbeddings(W0, m, policy=policy, cache_rows=60, page_rows=8, name="emb")
+    ref = Reference(W0)
+    make = (lambda: E.SGD(0.1)) if opt == "sgd" else (lambda: E.RowwiseAdagrad(0.1))
+    ours, theirs = make(), make()
+    for step in range(40):
+        if step % 3 == 0:  # CSR bags with weights, mean
+            idx = zipf_batch(rng, 1, 90)[0]
+            off = np.sort(np.concatenate(([0, idx.size], rng.integers(0, idx.size, 29))))
+            w = rng.random(idx.size).astype(np.float32)
+            kw = dict(offsets=off, weights=w, mode="mean")
+        else:
+            idx, kw = zipf_batch(rng, 30, 3), {}
+        got = E.lookup(t, idx, **kw)
+        want = ref.lookup(idx, **kw)
+        assert np.array_equal(got, want), step
+        if step % 4 == 1:
+            prefetch(t, zipf_batch(rng, 30, 3).ravel())
+        g = rng.standard_normal(got.shape).astype(np.float32)
+        E.pullback(t, g, idx, optimizer=ours, **kw)
+        ref.pullback(g, idx, optimizer=theirs, **kw)
+        t.check()
+        assert np.array_equal(contents(t), ref.W), step
+    t.writeback()
+    assert np.array_equal(base_rows(t), ref.W)
+    if opt == "adagrad":
+        assert np.array_equal(ours.state(t), ref.state)
+    tel = t.telemetry()
+    assert tel["hits"] + tel["misses"] > 0
+    if policy == "simple":
+        assert tel["hits"] == 0
+    else:
+        assert tel["hits"] > 0
+    t.close()
+    m.check()
+
+
+def test_dynamic_admits_every_row_of_a_batch_so_no_row_is_staged_while_room_lasts():
+    rng = np.random.default_rng(2)
+    m = host_manager()
+    t = CachedEmbeddings(rng.standard_normal((N, F)).astype(np.float32), m, cache_rows=100, page_rows=8)
+    idx = rng.choice(N, 50, replace=False)
+    E.lookup(t, idx)
+    assert t._staged.size == 0 and t.cached_rows == 50
+    assert t.counts.tolist() == [0, 50, 50]
+    E.lookup(t, idx)
+    assert t.counts.tolist() == [50, 50, 50]
+    big = rng.choice(N, 200, replace=False)  # more distinct rows than the cache holds: the rest is staged
+    out = E.lookup(t, big)
+    assert np.array_equal(out, base_rows(t)[big])
+    assert t._staged.size > 0 and t.cached_rows <= 100
+    t.check()
+
+
+def test_a_flush_moves_spared_rows_on_the_device_and_writes_evicted_updates_back():
+    rng = np.random.default_rng(3)
+    W0 = rng.standard_normal((N, F)).astype(np.float32)
+    m = host_manager()
+    t = CachedEmbeddings(W0, m, cache_rows=64, page_rows=8, cacheslack=16)
+    ref = Reference(W0)
+    opt = E.SGD(0.5)
+    hot = np.arange(10)
+    for step in range(30):  # the hot rows are hit every step, so flushes spare them
+        idx = np.concatenate((hot, rng.integers(10, N, 20)))
+        assert np.array_equal(E.lookup(t, idx), ref.lookup(idx))
+        g = rng.standard_normal((idx.size, F)).astype(np.float32)
+        E.pullback(t, g, idx, optimizer=opt)
+        ref.pullback(g, idx, optimizer=opt)
+        t.check()
+    assert t.flushes > 3 and t.rows_written_back > 0
+    assert all(t._ptr[r] & K.CACHED for r in hot)  # spared, never evicted
+    assert np.array_equal(contents(t), ref.W)
+    t.flush_dirty(0)
+    assert t.cached_rows == 0 and np.array_equal(base_rows(t), ref.W)
+    E.pullback(t, np.ones((1, F), np.float32), [3], optimizer=opt)
+    with pytest.raises(ValueError, match="flush_clean would lose them"):
+        t.flush_clean()
+    t.check()
+
+
+def test_prefetch_admits_into_free_slots_only_and_counts_the_batch_once():
+    rng = np.random.default_rng(4)
+    m = host_manager()
+    t = CachedEmbeddings(rng.standard_normal((N, F)).astype(np.float32), m, cache_rows=64, page_rows=8)
+    cur = rng.choice(N, 40, replace=False)
+    E.lookup(t, cur)
+    where = t._ptr[cur].copy()
+    tail = int(t.state[K.TAIL])
+    nxt = rng.choice(N, 40, replace=False)
+    before = t.counts.copy()
+    assert prefetch(t, nxt)  # room for 24 of them: admitted, nothing flushed
+    assert int(t.state[K.TAIL]) == tail and np.array_equal(t._ptr[cur], where)
+    assert t.isfull()
+    counted = t.counts - before
+    assert counted[0] + counted[1] == nxt.size
+    assert not prefetch(t, rng.choice(N, 40, replace=False))  # full: a flush could move the current batch's rows
+    assert np.array_equal(t._ptr[cur], where)
+    E.lookup(t, nxt)  # flushes now (the current batch is done) and counts nothing again
+    assert np.array_equal(t.counts, before + counted)
+    t.check()
+
+
+def test_prefetch_waits_while_the_current_batch_has_staged_rows():
+    rng = np.random.default_rng(5)
+    W0 = rng.standard_normal((N, F)).astype(np.float32)
+    m = host_manager()
+    t = CachedEmbeddings(W0, m, cache_rows=16, page_rows=8, cacheslack=8)
+    ref = Reference(W0)
+    cur = rng.choice(N, 60, replace=False)  # more than the cache: some rows are staged
+    E.lookup(t, cur)
+    staged = t._staged.copy()
+    assert staged.size > 0
+    assert not prefetch(t, cur)  # admitting a staged row now would read it before its update lands
+    g = rng.standard_normal((cur.size, F)).astype(np.float32)
+    E.pullback(t, g, cur, optimizer=E.SGD(1.0))
+    ref.pullback(g, cur, optimizer=E.SGD(1.0))
+    assert np.array_equal(contents(t), ref.W)
+    E.lookup(t, cur[:3])  # the next batch writes the staged rows back first
+    assert np.array_equal(contents(t), ref.W)
+    assert np.array_equal(base_rows(t)[staged], ref.W[staged]) and not t._staged_dirty
+    t.check()
+
+
+def test_bad_input_raises_the_cpu_error_and_changes_nothing():
+    rng = np.random.default_rng(6)
+    W0 = rng.standard_normal((N, F)).astype(np.float32)
+    m = host_manager()
+    t = CachedEmbeddings(W0, m, cache_rows=64, page_rows=8, name="clicks")
+    E.lookup(t, rng.integers(0, N, 30))
+    state, ptr, seen = t.state.copy(), t._ptr.copy(), contents(t)
+    with pytest.raises(IndexError, match=r"clicks.*position 2.*400"):
+        E.lookup(t, [1, 2, 400])
+    with pytest.raises(IndexError, match="clicks"):
+        E.pullback(t, np.ones((2, F), np.float32), [5, -1], optimizer=E.SGD(1.0))
+    with pytest.raises(ValueError, match="gradient shape"):
+        E.pullback(t, np.ones((3, F), np.float32), [5, 6], optimizer=E.SGD(1.0))
+    assert np.array_equal(t.state, state) and np.array_equal(t._ptr, ptr)
+    g = np.ones((2, F), np.float32)
+    g[1, 3] = np.nan
+    with pytest.raises(FloatingPointError, match="clicks: non-finite gradient in output row 1"):
+        E.pullback(t, g, [5, 6], optimizer=E.SGD(1.0))
+    with pytest.raises(TypeError, match="unsupported optimizer"):
+        E.pullback(t, np.ones((2, F), np.float32), [5, 6], optimizer="sgd")
+    assert np.array_equal(contents(t), seen)
+    t.check()
+    with pytest.raises(ValueError, match="unknown policy"):
+        CachedEmbeddings(W0, m, policy="lru")
+    with pytest.raises(TypeError, match="float32"):
+        CachedEmbeddings(W0.astype(np.float64), m)
+    with pytest.raises(ValueError, match="between 1 and 400"):
+        CachedEmbeddings(W0, m, cache_rows=401)
+    with pytest.raises(TypeError, match="host row source"):
+        t.rows(E.FORWARD, np.arange(3))
+    t.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        E.lookup(t, [1])
+    m.check()
+
+
+def test_an_ensemble_of_cached_tables_matches_the_reference():
+    rng = np.random.default_rng(7)
+    m = host_manager()
+    Ws = [rng.standard_normal((N, F)).astype(np.float32) for _ in range(3)]
+    tables = [CachedEmbeddings(W, m, cache_rows=50, page_rows=8, name=f"t{i}") for i, W in enumerate(Ws)]
+    refs = [Reference(W) for W in Ws]
+    ens = E.Ensemble(tables)
+    opt = E.SGD(0.3)
+    for _ in range(6):
+        idx = [zipf_batch(rng, 20, 4) for _ in tables]
+        got = ens.lookup(idx)
+        want = np.stack([r.lookup(i) for r, i in zip(refs, idx)], axis=1)
+        assert np.array_equal(got, want)
+        g = rng.standard_normal(got.shape).astype(np.float32)
+        ens.pullback(g, idx, optimizer=opt)
+        for i, (r, ix) in enumerate(zip(refs, idx)):
+            r.pullback(g[:, i, :], ix, optimizer=opt)
+    bad = [zipf_batch(rng, 20, 4) for _ in tables]
+    bad[2][0, 0] = N
+    g = np.zeros((20, 3, F), np.float32)
+    before = [contents(t) for t in tables]
+    with pytest.raises(IndexError, match="t2"):
+        ens.pullback(g, bad, optimizer=opt)
+    assert all(np.array_equal(contents(t), b) for t, b in zip(tables, before))
+    for t, r in zip(tables, refs):
+        assert np.array_equal(contents(t), r.W)
+        t.check()
+
+
+def test_invalidate_drops_the_cache_after_the_base_table_was_replaced(tmp_path):
+    rng = np.random.default_rng(8)
+    m = host_manager(tmp_path)
+    W0 = rng.standard_normal((N, F)).astype(np.float32)
+    for policy in ("dynamic", "static"):
+        t = CachedEmbeddings(W0, m, policy=policy, cache_rows=40, page_rows=8)
+        E.pullback(t, np.ones((5, F), np.float32), np.arange(5), optimizer=E.SGD(1.0))
+        from cachedarrays import writable
+        with writable(t.base_array) as v:
+            v[...] = 7.0  # e.g. a checkpoint loaded into the base table
+        t.invalidate()
+        assert np.array_equal(E.lookup(t, np.arange(N)), np.full((N, F), 7.0, np.float32))
+        t.check()
+        t.close()
+    m.check()
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """Random lookups, updates, prefetches, flushes, bound changes and write-backs on a GPU cached
+    table, every one mirrored on a plain numpy table; ``check()`` and the contents after each step."""
+
+    @initialize(policy=st.sampled_from(["dynamic", "dynamic", "static", "simple"]), rows=st.integers(1, 60),
+                page=st.integers(1, 9), adagrad=st.booleans(), spare=st.booleans())
+    def setup(self, policy, rows, page, adagrad, spare):
+        self.rng = np.random.default_rng(rows * 31 + page)
+        W0 = self.rng.standard_normal((120, 4)).astype(np.float32)
+        self.m = host_manager()
+        self.t = CachedEmbeddings(W0, self.m, policy=policy, cache_rows=rows, page_rows=page, second_chance=spare,
+                                  staging_rows=4)
+        self.ref = Reference(W0)
+        self.opt = E.RowwiseAdagrad(0.2) if adagrad else E.SGD(0.2)
+        self.opt_ref = E.RowwiseAdagrad(0.2) if adagrad else E.SGD(0.2)
+
+    @rule(n=st.integers(0, 80), k=st.integers(1, 3), update=st.booleans())
+    def batch(self, n, k, update):
+        idx = ((self.rng.zipf(1.2, (n, k)) - 1) % 120).astype(np.int64)
+        got = E.lookup(self.t, idx)
+        assert np.array_equal(got, self.ref.lookup(idx))
+        if update:
+            g = self.rng.standard_normal((n, 4)).astype(np.float32)
+            E.pullback(self.t, g, idx, optimizer=self.opt)
+            self.ref.pullback(g, idx, optimizer=self.opt_ref)
+
+    @rule(n=st.integers(0, 80))
+    def prefetch_next(self, n):
+        prefetch(self.t, self.rng.integers(0, 120, n))
+
+    @precondition(lambda self: self.t.policy != "simple")
+    @rule(frac=st.floats(0, 1))
+    def flush(self, frac):
+        self.t.flush_dirty(int(frac * self.t.cached_rows))
+
+    @precondition(lambda self: self.t.policy != "simple")
+    @rule(frac=st.floats(0, 1))
+    def bounds(self, frac):
+        ring = int(self.t.state[K.RING])
+        lower = int(frac * (ring - 1))
+        self.t.set_cachelower(0)
+        self.t.set_cacheslack(max(1, ring - lower))
+        self.t.set_cachelower(min(lower, ring - 1))
+
+    @rule()
+    def writeback(self):
+        self.t.writeback()
+        assert np.array_equal(base_rows(self.t), self.ref.W)
+
+    @invariant()
+    def consistent(self):
+        self.t.check()
+        assert np.array_equal(contents(self.t), self.ref.W)
+
+    def teardown(self):
+        self.t.close()
+        assert np.array_equal(base_rows(self.t), self.ref.W)
+        self.m.check()
+
+
+TestCacheMachine = CacheMachine.TestCase
+TestCacheMachine.settings = __import__("hypothesis").settings(max_examples=40, stateful_step_count=25, deadline=None)
+
+
+# ---------------------------------------------------------------------------------------- on a GPU
+def gpu_manager() -> Manager:
+    from cachedarrays import GPU
+    return Manager(GPU("64MiB"), DRAM("64MiB"), policy=LRUPolicy())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
+@pytest.mark.parametrize("policy", ["dynamic", "static", "simple"])
+@pytest.mark.parametrize("opt", ["sgd", "adagrad"])
+def test_gpu_cached_table_equals_the_uncached_gpu_table_bit_for_bit(policy, opt):
+    import jax
+    from embeddings.gpu.backend import cuda_backend
+    rng = np.random.default_rng(11)
+    n, F_ = 20000, 64
+    W0 = rng.standard_normal((n, F_)).astype(np.float32)
+    m = gpu_manager()
+    t = CachedEmbeddings(W0, m, policy=policy, cache_fraction=0.05, name="emb")
+    ref = Reference(W0, cuda_backend())
+    make = (lambda: E.SGD(0.1)) if opt == "sgd" else (lambda: E.RowwiseAdagrad(0.1))
+    ours, theirs = make(), make()
+    nxt = zipf_batch(rng, 512, 20, n)
+    for step in range(30):
+        idx, nxt = nxt, zipf_batch(rng, 512, 20, n)
+        got = E.lookup(t, idx)
+        assert isinstance(got, jax.Array) and got.devices().pop().platform == "gpu"
+        want = ref.lookup(idx)
+        assert np.array_equal(np.asarray(got), want.get()), step
+        prefetch(t, nxt.ravel())
+        g = rng.standard_normal((512, F_)).astype(np.float32)
+        E.pullback(t, g, idx, optimizer=ours)
+        ref.pullback(g, idx, optimizer=theirs)
+        t.check()
+    assert np.array_equal(contents(t), ref.W.get())
+    t.close()
+    assert np.array_equal(base_rows(t), ref.W.get())
+    if policy == "dynamic":
+        assert t.telemetry()["hit_rate"] > 0.5
+    m.check()
