@@ -33,7 +33,7 @@ from embeddings.protocol import EmbeddingTable
 from .data.batch import Batch
 from .dense import DLRMConfig, init_dense, make_grad_step, make_predict, sgd_update, to_device, to_numpy
 from .metrics import PhaseTimer, accuracy, bce, roc_auc
-from .placement import make_room
+from .placement import is_cached, make_room
 
 DEVICES = ("cpu", "gpu")
 
@@ -82,7 +82,8 @@ class DLRM:
         self.device = device
         # On the GPU one ensemble takes every table (there is no per-table-count compile), or,
         # for tables the ensemble does not run (cached ones), each table gets its own calls.
-        self._per_table = device == "gpu" and not all(table_on_gpu(t) for t in self.tables)
+        # tables not in HBM, or cached ones (each prefetches its next batch), go one by one
+        self._per_table = device == "gpu" and not all(table_on_gpu(t) and not is_cached(t) for t in self.tables)
         g = max(1, int(group_size)) if device == "cpu" else len(self.tables)
         self.groups = [(a, min(a + g, len(self.tables))) for a in range(0, len(self.tables), g)]
         self.ensembles = [] if self._per_table else [Ensemble(self.tables[a:b]) for a, b in self.groups]

@@ -200,11 +200,11 @@ class CachedEmbeddings(C.CachedEmbeddings):
         """Cache the uncached rows of ``flat`` while room lasts (flushing first when full and
         ``flush``) and queue their upload."""
         self.backend.wait(self._inflight)  # the ring's host mirror is the source of queued uploads
-        if self.isfull():
-            if not flush:
-                return
-            self._flush(self.cachelower, self._dirty)
         if flat.size == 0:
+            return
+        if flush:
+            self._make_room(flat)
+        elif self.isfull():
             return
         h0 = int(self.state[K.HEAD])
         self.state[K.ADMIT] = 0  # no access counts: every miss is admitted
@@ -215,6 +215,21 @@ class CachedEmbeddings(C.CachedEmbeddings):
             K.access_and_cache(self._base, self._cache, self._ptr, self._backedge, self._ref, _NO_FREQ,
                                self.state, flat, C._nchunks(flat.size), counts)
         self._upload_ring(h0, int(self.state[K.HEAD]))
+
+    def _make_room(self, flat: np.ndarray) -> None:
+        """Flush until the batch's misses fit (at most ``cachelower`` rows stay when full), so a
+        batch that misses more than the slack is admitted rather than staged."""
+        hits = np.zeros(3, np.int64)
+        if self._small(flat):
+            K.count_hits_serial(self._ptr, flat, hits)
+        else:
+            K.count_hits(self._ptr, flat, C._nchunks(flat.size), hits)
+        limit = int(self.state[K.LIMIT])
+        target = max(0, limit - (flat.size - int(hits[0])))
+        if self.isfull():
+            target = min(target, self.cachelower)
+        if self.cached_rows > target:
+            self._flush(target, self._dirty)
 
     def _upload_ring(self, h0: int, h1: int) -> None:
         """Queue the upload of ring positions ``[h0, h1)`` from the host mirror (rows and state)."""
@@ -250,25 +265,39 @@ class CachedEmbeddings(C.CachedEmbeddings):
         return ring + inv.reshape(-1)
 
     def _grow_staging(self, S: int) -> None:
-        """Room for ``S`` staged rows (the staging area is empty when this is called)."""
+        """Room for ``S`` staged rows (the staging area is empty when this is called). The ring
+        goes through its host mirror, so the old and the new array are never both allocated."""
         have = self._W.shape[0] - self._ring
         if S <= have:
             return
-        new = max(S, 2 * have)
-        ring, F = self._ring, self.featuresize()
-        self.backend.wait(self._inflight)
-        old = self._W
-        self._W = self._device_array((ring + new, F))
-        self._W[:ring] = old[:ring]
-        self._drop_device_array(old)
-        self._hstage = self.backend.pinned((new, F), np.float32)
-        if self._dstate is not None:
-            olds = self._dstate
-            self._dstate = self._device_array((ring + new,))
-            self._dstate[:ring] = olds[:ring]
-            self._drop_device_array(olds)
-            self._sstage_tail = self.backend.pinned((new,), np.float32)
-        self._generation += 1
+        new = S + S // 4
+        ring, F, be = self._ring, self.featuresize(), self.backend
+        be.wait(self._inflight)
+        self._cache[...] = be.to_host(self._W[:ring])
+        held = be.to_host(self._dstate[:ring]) if self._dstate is not None else None
+        self._drop_device_array(self._W)
+        self._W = None
+        if held is not None:
+            self._drop_device_array(self._dstate)
+            self._dstate = None
+        try:
+            self._W = self._device_array((ring + new, F))
+        except MemoryError:
+            self._W = self._device_array((ring + have, F))  # as before, so the table stays usable
+            new = have
+            raise MemoryError(f"{self.name}: a batch needs {S} staging rows beside the {ring}-row cache, more than "
+                              f"{self.manager.fast.name} has room for; raise its capacity (--fast-budget) or lower "
+                              f"the cache fraction") from None
+        finally:
+            be.upload(self._W[:ring], self._cache)
+            if held is not None:
+                self._sstage[...] = held
+                self._dstate = self._device_array((ring + new,), np.float32)
+                be.upload(self._dstate[:ring], self._sstage)
+                self._sstage_tail = be.pinned((new,), np.float32)
+            self._inflight = be.fence()
+            self._hstage = be.pinned((new, F), np.float32)
+            self._generation += 1
 
     def _finish_staging(self) -> None:
         """Write updated staged rows back to the base table (waits for their update) and empty
