@@ -358,12 +358,16 @@ def gpu_manager() -> Manager:
 @pytest.mark.parametrize("policy", ["dynamic", "static", "simple"])
 @pytest.mark.parametrize("opt", ["sgd", "adagrad"])
 def test_gpu_cached_table_equals_the_uncached_gpu_table_bit_for_bit(policy, opt):
-    import jax
-    from embeddings.gpu.backend import cuda_backend
     rng = np.random.default_rng(11)
     n, F_ = 20000, 64
     W0 = rng.standard_normal((n, F_)).astype(np.float32)
-    m = gpu_manager()
+    with gpu_manager() as m:
+        _train_and_compare(m, W0, rng, policy, opt, n, F_)
+
+
+def _train_and_compare(m, W0, rng, policy, opt, n, F_):
+    import jax
+    from embeddings.gpu.backend import cuda_backend
     t = CachedEmbeddings(W0, m, policy=policy, cache_fraction=0.05, name="emb")
     ref = Reference(W0, cuda_backend())
     make = (lambda: E.SGD(0.1)) if opt == "sgd" else (lambda: E.RowwiseAdagrad(0.1))
