@@ -77,20 +77,7 @@ class CachedEmbeddings(EmbeddingTable):
                  cache_rows: int | None = None, cache_fraction: float = 0.1, cacheslack: int | None = None,
                  page_rows: int | None = None, hot: Any = None, seed: int = 0, second_chance: bool = True,
                  admit: int = 2, age_window: float = 10.0, name: str = "table") -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"{name}: unknown policy {policy!r}; choose from {POLICIES}")
-        if isinstance(base, CachedArray):
-            manager = base.manager
-        elif manager is None:
-            raise TypeError(f"{name}: a manager is needed to place a plain array in the slow device")
-        else:
-            base = CachedArray(np.asarray(base), manager, place="slow")
-        self.name, self.manager, self.policy, self.second_chance = name, manager, policy, second_chance
-        if manager.policy.in_fast(base.object):
-            evict(base)
-        self.base_array = base
-        self._pins = [writable(base)]
-        view = self._pins[0].array
+        view = self._open_base(base, manager, policy, second_chance, name)
         if view.ndim != 2 or not view.flags.c_contiguous:
             raise ValueError(f"{name}: table must be a row-major 2-d array, got shape {view.shape}")
         self._codec, storage_dtype = _codec_for(view.dtype)
@@ -133,6 +120,24 @@ class CachedEmbeddings(EmbeddingTable):
         self._set_bounds(rows - slack, slack)
         if policy == "static":
             self._fill_static(hot, seed)
+
+    def _open_base(self, base: Any, manager: Manager | None, policy: str, second_chance: bool, name: str) -> Any:
+        """Check the policy, put ``base`` in the slow device (a plain array is copied into a new
+        CachedArray there) and pin it for as long as the table is open; its view's array."""
+        if policy not in POLICIES:
+            raise ValueError(f"{name}: unknown policy {policy!r}; choose from {POLICIES}")
+        if isinstance(base, CachedArray):
+            manager = base.manager
+        elif manager is None:
+            raise TypeError(f"{name}: a manager is needed to place a plain array in the slow device")
+        else:
+            base = CachedArray(np.asarray(base), manager, place="slow")
+        self.name, self.manager, self.policy, self.second_chance = name, manager, policy, second_chance
+        if manager.policy.in_fast(base.object):
+            evict(base)
+        self.base_array = base
+        self._pins = [writable(base)]
+        return self._pins[0].array
 
     def _fast(self, shape_or_data: Any, dtype: Any = None) -> np.ndarray:
         arr = CachedArray(shape_or_data, self.manager, dtype, place="fast")
@@ -304,14 +309,17 @@ class CachedEmbeddings(EmbeddingTable):
             stop = min((tail // page + 1) * page, int(self.state[K.HEAD]))
             written += K.flush_page(self._base, self._cache, self._ptr, self._backedge, self._ref, self.state,
                                     stop, writeback, spare)
+        self._flushed(written, time.perf_counter() - t0)
+
+    def _flushed(self, written: int, seconds: float) -> None:
+        """Count a flush that wrote ``written`` rows back in ``seconds``; an empty cache is clean."""
         self.flushes += 1
         self._filling = self.cached_rows == 0
         if self.cached_rows == 0:
             self._dirty = False
         if written:
             self.rows_written_back += written
-            self.manager.account(self.manager.fast, self.manager.slow, written * self._rowbytes,
-                                 time.perf_counter() - t0)
+            self.manager.account(self.manager.fast, self.manager.slow, written * self._rowbytes, seconds)
 
     def writeback(self) -> None:
         """Copy every cached row back to the base table and keep it cached (e.g. before a checkpoint)."""

@@ -115,10 +115,13 @@ def test_lookups_and_updates_equal_the_uncached_table_bit_for_bit(policy, opt):
     m.check()
 
 
+def random_table(seed: int, **kw) -> tuple[np.random.Generator, CachedEmbeddings]:
+    rng = np.random.default_rng(seed)
+    return rng, CachedEmbeddings(rng.standard_normal((N, F)).astype(np.float32), host_manager(), page_rows=8, **kw)
+
+
 def test_dynamic_admits_every_row_of_a_batch_so_no_row_is_staged_while_room_lasts():
-    rng = np.random.default_rng(2)
-    m = host_manager()
-    t = CachedEmbeddings(rng.standard_normal((N, F)).astype(np.float32), m, cache_rows=100, page_rows=8)
+    rng, t = random_table(2, cache_rows=100)
     idx = rng.choice(N, 50, replace=False)
     E.lookup(t, idx)
     assert t._staged.size == 0 and t.cached_rows == 50
@@ -159,9 +162,7 @@ def test_a_flush_moves_spared_rows_on_the_device_and_writes_evicted_updates_back
 
 
 def test_prefetch_admits_into_free_slots_only_and_counts_the_batch_once():
-    rng = np.random.default_rng(4)
-    m = host_manager()
-    t = CachedEmbeddings(rng.standard_normal((N, F)).astype(np.float32), m, cache_rows=64, page_rows=8)
+    rng, t = random_table(4, cache_rows=64)
     cur = rng.choice(N, 40, replace=False)
     E.lookup(t, cur)
     where = t._ptr[cur].copy()

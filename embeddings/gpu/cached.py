@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from cachedarrays import CachedArray, Manager, evict, unsafe_free, writable
+from cachedarrays import CachedArray, Manager, unsafe_free, writable
 
 from .. import cached as C
 from ..batch import Bags, make_bags
@@ -63,20 +63,8 @@ class CachedEmbeddings(C.CachedEmbeddings):
                  cache_rows: int | None = None, cache_fraction: float = 0.1, cacheslack: int | None = None,
                  page_rows: int | None = None, hot: Any = None, seed: int = 0, second_chance: bool = True,
                  staging_rows: int = STAGING_ROWS, name: str = "table") -> None:
-        if policy not in C.POLICIES:
-            raise ValueError(f"{name}: unknown policy {policy!r}; choose from {C.POLICIES}")
-        if isinstance(base, CachedArray):
-            manager = base.manager
-        elif manager is None:
-            raise TypeError(f"{name}: a manager is needed to place a plain array in its host memory")
-        else:
-            base = CachedArray(np.asarray(base), manager, place="slow")
-        self.name, self.manager, self.policy, self.second_chance = name, manager, policy, second_chance
-        if manager.policy.in_fast(base.object):
-            evict(base)
-        self.base_array = base
-        self._pins = [writable(base)]
-        view = self._pins[0].array
+        view = self._open_base(base, manager, policy, second_chance, name)
+        manager = self.manager
         if not isinstance(view, np.ndarray):
             self.close()
             raise ValueError(f"{name}: the base table must be in host memory; {manager.fast.name} holds the cache")
@@ -411,14 +399,8 @@ class CachedEmbeddings(C.CachedEmbeddings):
             dst = (head + np.arange(int(moved.sum()), dtype=np.int64)) % ring
             moves.append((slots[moved], dst, slots[live & ~moved], rows[live & ~moved]))
         written += self._apply_moves(moves, writeback)
-        self.flushes += 1
         self._generation += 1
-        if self.cached_rows == 0:
-            self._dirty = False
-        if written:
-            self.rows_written_back += written
-            self.manager.account(self.manager.fast, self.manager.slow, written * self._rowbytes,
-                                 time.perf_counter() - t0)
+        self._flushed(written, time.perf_counter() - t0)
 
     def _apply_moves(self, moves: list, writeback: bool) -> int:
         """The device side of flushed pages: evicted rows read back (when ``writeback``), spared
