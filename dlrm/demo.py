@@ -1,10 +1,8 @@
 """``python -m dlrm.demo``: one minute of DLRM training on synthetic Zipf data with the embedding
 tables under the ``dynamic`` policy (CachedEmbeddings: rows cached in DRAM on access, the full
 tables in a PM heap file in a temporary directory), then the summary: time per phase, cache hit
-rates, bytes moved between devices and peak memory per device.
-
-While ``embeddings.cached.CachedEmbeddings`` does not exist yet, the demo says so and runs the
-``simple`` policy (tables read and updated in PM) instead. Extra arguments go to ``dlrm.train``.
+rates, bytes moved between devices and peak memory per device. Extra arguments go to
+``dlrm.train``.
 """
 
 from __future__ import annotations
