@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cachedarrays import parse_size
-from embeddings.gpu.cached import STAGING_ROWS, STATE_BYTES
+from embeddings.gpu.cached import STAGING_ROWS, STATE_BYTES, prefetch
 
 SLACK = 64 << 20  # bytes a level keeps beyond what is counted (alignment, small objects)
 
@@ -89,18 +89,11 @@ def make_manager(capacity: int, host_bytes: int):
     return Manager(GPU(capacity), DRAM(host_bytes), policy=LRUPolicy())
 
 
-def cache_api() -> tuple[type, Any]:
-    """``(CachedEmbeddings class for a GPU manager, prefetch)``."""
-    from embeddings.gpu.cached import CachedEmbeddings, prefetch
-    return CachedEmbeddings, prefetch
-
-
 def prefetch_next(tables: Sequence[Any], indices: Sequence[Any]) -> None:
-    """Start bringing the rows of the next batch (``indices[t]``, flat) into every cached GPU table."""
-    cls, fn = cache_api()
+    """Start bringing the rows of the next batch (``indices[t]``, flat) into every cached GPU
+    table (other tables ignore it)."""
     for t, idx in zip(tables, indices):
-        if isinstance(t, cls):
-            fn(t, idx)
+        prefetch(t, idx)
 
 
 def cache_fraction_for(budget: int, policy: str, sizes: Sequence[int], featuresize: int) -> float:

@@ -80,9 +80,8 @@ class DLRM:
         # that compile time grows much faster than linearly: groups of at most `group_size` tables
         # keep a 26-table model at two compiled variants of seconds each instead of one of minutes.
         self.device = device
-        # On the GPU one ensemble takes every table (there is no per-table-count compile), or,
-        # for tables the ensemble does not run (cached ones), each table gets its own calls.
-        # tables not in HBM, or cached ones (each prefetches its next batch), go one by one
+        # On the GPU one ensemble takes every table in HBM (there is no per-table-count compile);
+        # tables not there, or cached ones (each prefetches its next batch), get their own calls.
         self._per_table = device == "gpu" and not all(table_on_gpu(t) and not is_cached(t) for t in self.tables)
         g = max(1, int(group_size)) if device == "cpu" else len(self.tables)
         self.groups = [(a, min(a + g, len(self.tables))) for a in range(0, len(self.tables), g)]

@@ -91,8 +91,7 @@ def make_tables(sizes: Sequence[int], featuresize: int, policy: str, manager: Ma
     cached = policy in ("static", "dynamic") or (on_gpu and policy == "simple")
     cache_class = CachedEmbeddings
     if on_gpu and cached:
-        from .gpu import cache_api
-        cache_class = cache_api()[0]
+        from embeddings.gpu.cached import CachedEmbeddings as cache_class
     if cached and not 0.0 <= cache_fraction <= 1.0:
         raise ValueError(f"cache_fraction must be in [0, 1], got {cache_fraction}")
     tables: list[EmbeddingTable] = []

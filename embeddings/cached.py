@@ -160,10 +160,10 @@ class CachedEmbeddings(EmbeddingTable):
         rows = self._hot
         limit = int(self.state[K.LIMIT])
         t0 = time.perf_counter()
-        before = int(self.counts[2])
+        h0 = int(self.state[K.HEAD])
         K.access_and_cache_serial(self._base, self._cache, self._ptr, self._backedge, self._ref, _NO_FREQ,
                                   self.state, rows.astype(np.int64)[:limit], 0, self.counts)
-        self._account_cached(int(self.counts[2]) - before, time.perf_counter() - t0)
+        self._admitted(h0, time.perf_counter() - t0)
         self.counts[:] = 0  # the fill is not traffic of the workload
 
     # ------------------------------------------------------------------ table protocol
@@ -225,17 +225,26 @@ class CachedEmbeddings(EmbeddingTable):
         idx = np.ascontiguousarray(indices).ravel()
         if idx.size == 0:
             return
-        before = int(self.counts[2])
         t0 = time.perf_counter()
         self.state[K.ADMIT] = 1 if self._filling or self._freq.size == 0 else self.admit
+        h0 = int(self.state[K.HEAD])
+        self._admission(idx, self.counts)
+        self._age(idx.size)
+        self._admitted(h0, time.perf_counter() - t0)
+
+    def _admission(self, idx: np.ndarray, counts: np.ndarray) -> None:
+        """The admission kernel over ``idx`` (``state[ADMIT]``, ``_freq``); ``counts += (hits,
+        misses, cached)``. New rows take ring positions from ``HEAD`` on."""
         if self._small(idx):
             K.access_and_cache_serial(self._base, self._cache, self._ptr, self._backedge, self._ref, self._freq,
-                                      self.state, idx, self.state[K.ADMIT], self.counts)
+                                      self.state, idx, self.state[K.ADMIT], counts)
         else:
             K.access_and_cache(self._base, self._cache, self._ptr, self._backedge, self._ref, self._freq,
-                               self.state, idx, _nchunks(idx.size), self.counts)
-        self._age(idx.size)
-        self._account_cached(int(self.counts[2]) - before, time.perf_counter() - t0)
+                               self.state, idx, _nchunks(idx.size), counts)
+
+    def _admitted(self, h0: int, seconds: float) -> None:
+        """Ring positions ``[h0, HEAD)`` were just cached (their rows copied from the slow device)."""
+        self._account_cached(int(self.state[K.HEAD]) - h0, seconds)
 
     def _age(self, accesses: int) -> None:
         """Halve the access counts every ``age_window`` cache sizes of accesses, so they follow a drifting hot set."""
@@ -248,14 +257,16 @@ class CachedEmbeddings(EmbeddingTable):
         """Count an access to ``indices`` without caching (every context but Forward)."""
         self._count(indices)
 
-    def _count(self, indices: np.ndarray) -> None:
+    def _count(self, indices: np.ndarray, counts: np.ndarray | None = None) -> None:
+        """``counts`` (default: the table's) ``+= (hits, misses)`` of ``indices``, caching nothing."""
+        counts = self.counts if counts is None else counts
         idx = np.ascontiguousarray(indices).ravel()
         if self.policy == "simple":
-            self.counts[1] += idx.size
+            counts[1] += idx.size
         elif self._small(idx):
-            K.count_hits_serial(self._ptr, idx, self.counts)
+            K.count_hits_serial(self._ptr, idx, counts)
         elif idx.size:
-            K.count_hits(self._ptr, idx, _nchunks(idx.size), self.counts)
+            K.count_hits(self._ptr, idx, _nchunks(idx.size), counts)
 
     def _small(self, idx: np.ndarray) -> bool:
         """Whether a pass over ``idx`` runs on the calling thread (the lookups' threshold)."""

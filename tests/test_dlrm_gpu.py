@@ -78,9 +78,7 @@ CACHED = ("static", "dynamic", "simple")
 
 
 def _policies():
-    out = [("dram", "sgd"), ("dram", "adagrad")]
-    marks = [pytest.mark.skipif(gpu.cache_api() is None, reason="this build has no GPU CachedEmbeddings")]
-    return out + [pytest.param(p, "sgd", marks=marks) for p in CACHED]
+    return [("dram", "sgd"), ("dram", "adagrad")] + [(p, "sgd") for p in CACHED]
 
 
 @pytest.mark.gpu
@@ -130,12 +128,12 @@ def test_gpu_checkpoint_resume_and_a_budget_several_times_smaller_than_the_table
     np.testing.assert_allclose([v for _, v in resumed["losses"]], [v for _, v in straight["losses"][6:]],
                                rtol=1e-6, atol=1e-7)
     assert (tmp_path / "p_loss.png").stat().st_size > 1000 and (tmp_path / "r.json").stat().st_size > 100
-    if gpu.cache_api() is not None:  # tables four times the budget train under a cached policy
-        big = ["--arch-embedding-size", "100000-50000", "--arch-sparse-feature-size", "16", "--arch-mlp-bot", "6-16"]
-        small = train.main(TINY + big + ["--device", "gpu", "--policy", "dynamic", "--fast-budget", "25%",
-                                         "--cache-fraction", "0.05", "--num-batches", "12"])
-        assert small["summary"]["capacity"]["GPU"] == 150000 * 16 * 4 // 4
-        assert small["summary"]["peak_memory"]["GPU"] <= 150000 * 16 * 4 // 4
+    # tables four times the budget train under a cached policy
+    big = ["--arch-embedding-size", "100000-50000", "--arch-sparse-feature-size", "16", "--arch-mlp-bot", "6-16"]
+    small = train.main(TINY + big + ["--device", "gpu", "--policy", "dynamic", "--fast-budget", "25%",
+                                     "--cache-fraction", "0.05", "--num-batches", "12"])
+    assert small["summary"]["capacity"]["GPU"] == 150000 * 16 * 4 // 4
+    assert small["summary"]["peak_memory"]["GPU"] <= 150000 * 16 * 4 // 4
 
 
 
@@ -171,7 +169,7 @@ def test_the_per_table_path_prefetches_the_next_batch_before_the_dense_work(monk
     expected = [plain.train_step(b).loss for b in batches]
 
     events = []
-    monkeypatch.setattr(gpu, "cache_api", lambda: (SimpleEmbedding, lambda t, idx: events.append((t.name, idx))))
+    monkeypatch.setattr(gpu, "prefetch", lambda t, idx: events.append((t.name, idx)))
     monkeypatch.setattr(M, "table_on_gpu", lambda t: False)  # the tables are "cached": per-table calls
     monkeypatch.setattr(M, "_sync_cupy", lambda: None)
     monkeypatch.setattr(M.jax, "device_put", lambda x: x)

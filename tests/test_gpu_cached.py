@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import strategies as st
+from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import embeddings as E
@@ -115,13 +115,15 @@ def test_lookups_and_updates_equal_the_uncached_table_bit_for_bit(policy, opt):
     m.check()
 
 
-def random_table(seed: int, **kw) -> tuple[np.random.Generator, CachedEmbeddings]:
+def random_table(seed: int, **kw) -> tuple[np.random.Generator, CachedEmbeddings, Reference]:
+    """A cached table of random rows over a new host manager, and the reference over the same rows."""
     rng = np.random.default_rng(seed)
-    return rng, CachedEmbeddings(rng.standard_normal((N, F)).astype(np.float32), host_manager(), page_rows=8, **kw)
+    W0 = rng.standard_normal((N, F)).astype(np.float32)
+    return rng, CachedEmbeddings(W0, host_manager(), page_rows=8, **kw), Reference(W0)
 
 
 def test_dynamic_admits_every_row_of_a_batch_so_no_row_is_staged_while_room_lasts():
-    rng, t = random_table(2, cache_rows=100)
+    rng, t, _ = random_table(2, cache_rows=100)
     idx = rng.choice(N, 50, replace=False)
     E.lookup(t, idx)
     assert t._staged.size == 0 and t.cached_rows == 50
@@ -136,11 +138,7 @@ def test_dynamic_admits_every_row_of_a_batch_so_no_row_is_staged_while_room_last
 
 
 def test_a_flush_moves_spared_rows_on_the_device_and_writes_evicted_updates_back():
-    rng = np.random.default_rng(3)
-    W0 = rng.standard_normal((N, F)).astype(np.float32)
-    m = host_manager()
-    t = CachedEmbeddings(W0, m, cache_rows=64, page_rows=8, cacheslack=16)
-    ref = Reference(W0)
+    rng, t, ref = random_table(3, cache_rows=64, cacheslack=16)
     opt = E.SGD(0.5)
     hot = np.arange(10)
     for step in range(30):  # the hot rows are hit every step, so flushes spare them
@@ -162,7 +160,7 @@ def test_a_flush_moves_spared_rows_on_the_device_and_writes_evicted_updates_back
 
 
 def test_prefetch_admits_into_free_slots_only_and_counts_the_batch_once():
-    rng, t = random_table(4, cache_rows=64)
+    rng, t, _ = random_table(4, cache_rows=64)
     cur = rng.choice(N, 40, replace=False)
     E.lookup(t, cur)
     where = t._ptr[cur].copy()
@@ -182,11 +180,7 @@ def test_prefetch_admits_into_free_slots_only_and_counts_the_batch_once():
 
 
 def test_prefetch_waits_while_the_current_batch_has_staged_rows():
-    rng = np.random.default_rng(5)
-    W0 = rng.standard_normal((N, F)).astype(np.float32)
-    m = host_manager()
-    t = CachedEmbeddings(W0, m, cache_rows=16, page_rows=8, cacheslack=8)
-    ref = Reference(W0)
+    rng, t, ref = random_table(5, cache_rows=16, cacheslack=8)
     cur = rng.choice(N, 60, replace=False)  # more than the cache: some rows are staged
     E.lookup(t, cur)
     staged = t._staged.copy()
@@ -345,7 +339,7 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 TestCacheMachine = CacheMachine.TestCase
-TestCacheMachine.settings = __import__("hypothesis").settings(max_examples=40, stateful_step_count=25, deadline=None)
+TestCacheMachine.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
 
 
 # ---------------------------------------------------------------------------------------- on a GPU

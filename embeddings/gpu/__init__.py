@@ -43,8 +43,10 @@ def device_array(x: Any) -> bool:
 
 
 def table_on_gpu(table: Any) -> bool:
-    """Whether ``table`` is a SimpleEmbedding whose rows are on a GPU now (cheap for numpy data)."""
-    if getattr(table, "on_device", False):  # a GPU CachedEmbeddings (:mod:`.cached`): always its own path
+    """Whether ``table`` takes the GPU path: a SimpleEmbedding whose rows are on a GPU now (cheap
+    for numpy data), or a GPU CachedEmbeddings (:mod:`.cached`, marked ``on_device`` so that this
+    check imports nothing)."""
+    if getattr(table, "on_device", False):
         return True
     from ..simple import SimpleEmbedding
     if type(table) is not SimpleEmbedding and not isinstance(table, SimpleEmbedding):

@@ -144,7 +144,7 @@ class CudaBackend:
         ring = getattr(self._local, "ring", None)
         if ring is None or ring.size < 64 * n:
             size = max(4096, 64 * n)
-            ring = self._local.ring = np.frombuffer(self.xp.cuda.alloc_pinned_memory(size * 4), np.int32, size)
+            ring = self._local.ring = self.pinned((size,), np.int32)
             self._local.cursor = 0
         at = self._local.cursor if self._local.cursor + n <= ring.size else 0
         self._local.cursor = at + n

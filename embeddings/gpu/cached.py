@@ -48,7 +48,6 @@ from .backend import ReferenceBackend, cuda_backend
 STAGING_ROWS = 4096  # the staging area's initial rows
 STATE_BYTES = 4  # per cache or staging row of a table trained with row-wise Adagrad: its accumulator
 _EMPTY = np.empty(0, np.int64)
-_NO_FREQ = np.empty(0, np.uint8)
 
 
 class CachedEmbeddings(C.CachedEmbeddings):
@@ -65,6 +64,7 @@ class CachedEmbeddings(C.CachedEmbeddings):
                  staging_rows: int = STAGING_ROWS, name: str = "table") -> None:
         view = self._open_base(base, manager, policy, second_chance, name)
         manager = self.manager
+        self._dev: list = []  # pinned views of the device arrays
         if not isinstance(view, np.ndarray):
             self.close()
             raise ValueError(f"{name}: the base table must be in host memory; {manager.fast.name} holds the cache")
@@ -72,15 +72,14 @@ class CachedEmbeddings(C.CachedEmbeddings):
             self.close()
             raise TypeError(f"{name}: the base table must be a row-major 2-d float32 array, got "
                             f"{view.dtype} {view.shape}")
-        self._codec, self._dtype, self._base = None, view.dtype, view
+        self._dtype, self._base = view.dtype, view
         nvectors, F = view.shape
         self._rowbytes = F * 4
         self.counts = np.zeros(3, np.int64)
         self._scratch = np.zeros(3, np.int64)  # counts of a batch already counted by its prefetch
         self.rows_written_back = self.flushes = 0
-        self._dirty = self._filling = False
-        self._freq = _NO_FREQ
-        self.admit, self.age_window = 1, 1.0
+        self._dirty = False
+        self._freq = np.empty(0, np.uint8)  # no access counts: the admission kernel admits every miss (ADMIT 0)
         self.state = np.zeros(5, np.int64)
         self.cachelower = self.cacheslack = 0
         self._generation = 0  # changes whenever a resolved slot may stop holding its row
@@ -100,16 +99,14 @@ class CachedEmbeddings(C.CachedEmbeddings):
                                                      C.PAGE_BYTES // max(1, self._rowbytes))))
         ring = -(-rows // self.page_rows) * self.page_rows
         self._ring = ring
-        self._dev: list = []  # pinned views of the device arrays
         self._W = self._device_array((ring + max(1, int(staging_rows)), F))
         self.backend = ReferenceBackend() if isinstance(self._W, np.ndarray) else cuda_backend()
         self._hstage = self.backend.pinned((self._W.shape[0] - ring, F), np.float32)
         self._cache = self.backend.pinned((ring, F), np.float32)  # the host mirror of the ring
-        self._ptr = self._slots = self._backedge = self._ref = None
+        self._ptr = self._backedge = self._ref = None
         if policy == "simple":
             return
         self._ptr = entries(self._base, np.arange(nvectors))
-        self._slots = self._ptr
         self._backedge = np.full(ring, -1, np.int64)
         self._ref = np.zeros(ring, np.uint8)
         self.state[:] = (0, 0, rows, ring, 0)
@@ -147,8 +144,7 @@ class CachedEmbeddings(C.CachedEmbeddings):
         """The batch checked as the CPU checks it (device arrays are read back first)."""
         self._check_open()
         be = self.backend
-        host = [None if x is None else (be.to_host(x) if be.is_device(x) or _on_device(x) else x)
-                for x in (indices, offsets, weights)]
+        host = [None if x is None else (be.to_host(x) if be.is_device(x) else x) for x in (indices, offsets, weights)]
         return make_bags(self.name, self.nvectors(), host[0], host[1], host[2], mode)
 
     def resolve(self, indices: Any, offsets: Any, weights: Any, mode: str | None,
@@ -194,24 +190,16 @@ class CachedEmbeddings(C.CachedEmbeddings):
             self._make_room(flat)
         elif self.isfull():
             return
+        t0 = time.perf_counter()
         h0 = int(self.state[K.HEAD])
-        self.state[K.ADMIT] = 0  # no access counts: every miss is admitted
-        if self._small(flat):
-            K.access_and_cache_serial(self._base, self._cache, self._ptr, self._backedge, self._ref, _NO_FREQ,
-                                      self.state, flat, 0, counts)
-        else:
-            K.access_and_cache(self._base, self._cache, self._ptr, self._backedge, self._ref, _NO_FREQ,
-                               self.state, flat, C._nchunks(flat.size), counts)
-        self._upload_ring(h0, int(self.state[K.HEAD]))
+        self._admission(flat, counts)
+        self._admitted(h0, time.perf_counter() - t0)
 
     def _make_room(self, flat: np.ndarray) -> None:
         """Flush until the batch's misses fit (at most ``cachelower`` rows stay when full), so a
         batch that misses more than the slack is admitted rather than staged."""
         hits = np.zeros(3, np.int64)
-        if self._small(flat):
-            K.count_hits_serial(self._ptr, flat, hits)
-        else:
-            K.count_hits(self._ptr, flat, C._nchunks(flat.size), hits)
+        self._count(flat, hits)
         limit = int(self.state[K.LIMIT])
         target = max(0, limit - (flat.size - int(hits[0])))
         if self.isfull():
@@ -219,8 +207,10 @@ class CachedEmbeddings(C.CachedEmbeddings):
         if self.cached_rows > target:
             self._flush(target, self._dirty)
 
-    def _upload_ring(self, h0: int, h1: int) -> None:
-        """Queue the upload of ring positions ``[h0, h1)`` from the host mirror (rows and state)."""
+    def _admitted(self, h0: int, seconds: float) -> None:
+        """Queue the upload of the newly cached ring positions ``[h0, HEAD)`` from the host mirror
+        (rows, and Adagrad's accumulator)."""
+        h1 = int(self.state[K.HEAD])
         if h1 <= h0:
             return
         t0 = time.perf_counter()
@@ -232,7 +222,7 @@ class CachedEmbeddings(C.CachedEmbeddings):
                 np.take(self._hstate, self._backedge[a:b], out=buf)
                 be.upload(self._dstate[a:b], buf)
         self._inflight = be.fence()
-        self._account_cached(h1 - h0, time.perf_counter() - t0)
+        self._account_cached(h1 - h0, seconds + time.perf_counter() - t0)
 
     def _stage(self, rows: np.ndarray) -> np.ndarray:
         """Copy the distinct ``rows`` into the staging area; their slots, aligned with ``rows``."""
@@ -270,22 +260,23 @@ class CachedEmbeddings(C.CachedEmbeddings):
             self._dstate = None
         try:
             self._W = self._device_array((ring + new, F))
+            refused = False
         except MemoryError:
             self._W = self._device_array((ring + have, F))  # as before, so the table stays usable
-            new = have
+            new, refused = have, True
+        be.upload(self._W[:ring], self._cache)
+        if held is not None:
+            self._sstage[...] = held
+            self._dstate = self._device_array((ring + new,), np.float32)
+            be.upload(self._dstate[:ring], self._sstage)
+            self._sstage_tail = be.pinned((new,), np.float32)
+        self._inflight = be.fence()
+        self._hstage = be.pinned((new, F), np.float32)
+        self._generation += 1
+        if refused:
             raise MemoryError(f"{self.name}: a batch needs {S} staging rows beside the {ring}-row cache, more than "
                               f"{self.manager.fast.name} has room for; raise its capacity (--fast-budget) or lower "
-                              f"the cache fraction") from None
-        finally:
-            be.upload(self._W[:ring], self._cache)
-            if held is not None:
-                self._sstage[...] = held
-                self._dstate = self._device_array((ring + new,), np.float32)
-                be.upload(self._dstate[:ring], self._sstage)
-                self._sstage_tail = be.pinned((new,), np.float32)
-            self._inflight = be.fence()
-            self._hstage = be.pinned((new, F), np.float32)
-            self._generation += 1
+                              f"the cache fraction")
 
     def _finish_staging(self) -> None:
         """Write updated staged rows back to the base table (waits for their update) and empty
@@ -302,7 +293,7 @@ class CachedEmbeddings(C.CachedEmbeddings):
         self._staged, self._staged_dirty = _EMPTY, False
         self._generation += 1
 
-    def updated(self, optimizer: Any) -> None:
+    def updated(self) -> None:
         """Note that the last resolved batch was updated (its staged rows must go back)."""
         self._dirty = True
         self._staged_dirty = self._staged.size > 0
@@ -322,9 +313,9 @@ class CachedEmbeddings(C.CachedEmbeddings):
         self._dstate = self._device_array((self._W.shape[0],), np.float32)
         self._sstage = self.backend.pinned((ring,), np.float32)
         self._sstage_tail = self.backend.pinned((self._W.shape[0] - ring,), np.float32)
-        if ring:
-            self._dstate[:ring] = self.backend.asarray(
-                np.where(self._backedge >= 0, self._hstate[np.maximum(self._backedge, 0)], 0).astype(np.float32))
+        live = self._live_slots()
+        if live.size:
+            self._dstate[self.backend.asarray(live)] = self.backend.asarray(self._hstate[self._backedge[live]])
         S = self._staged.size
         if S:
             self._dstate[ring:ring + S] = self.backend.asarray(self._hstate[self._staged])
@@ -407,7 +398,7 @@ class CachedEmbeddings(C.CachedEmbeddings):
         rows moved to their new slots; every source is read before any destination is written."""
         if not moves:
             return 0
-        be, xp = self.backend, self.backend.xp
+        be = self.backend
         src, dst, ev, evrows = (np.concatenate(parts) for parts in zip(*moves))
         arrays = [(self._W, self._base)] + ([(self._dstate, self._hstate)] if self._dstate is not None else [])
         written = 0
@@ -452,26 +443,16 @@ class CachedEmbeddings(C.CachedEmbeddings):
         if self.policy == "static":
             self._refill()
 
-    def _refill(self) -> None:
-        rows = self._hot
-        limit = int(self.state[K.LIMIT])
-        h0 = int(self.state[K.HEAD])
-        K.access_and_cache_serial(self._base, self._cache, self._ptr, self._backedge, self._ref, _NO_FREQ,
-                                  self.state, rows.astype(np.int64)[:limit], 0, self.counts)
-        self._upload_ring(h0, int(self.state[K.HEAD]))
-        self.counts[:] = 0  # the fill is not traffic of the workload
-
     def close(self) -> None:
         """Write everything back (if the table holds updates), then free the device arrays."""
         if not self._pins:
             return
-        if getattr(self, "_dev", None):
+        if self._dev:  # not when construction failed before the device arrays
             self.writeback()
-            self._flush(0, writeback=False)
-        for v in getattr(self, "_dev", []):
-            v.release()
-        unsafe_free(list(getattr(self, "_dev", [])))
-        self._dev = []
+            for v in self._dev:
+                v.release()
+            unsafe_free(self._dev)
+            self._dev = []
         views, self._pins = self._pins, []
         for v in views:
             v.release()
@@ -490,11 +471,6 @@ class CachedEmbeddings(C.CachedEmbeddings):
                 f"featuresize={self.featuresize()}, cached={self.cached_rows})")
 
 
-def _on_device(x: Any) -> bool:
-    from . import device_array
-    return device_array(x)
-
-
 def _ranges(h0: int, h1: int, ring: int) -> list[tuple[int, int]]:
     """Ring positions ``[h0, h1)`` as at most two slot ranges."""
     a, b = h0 % ring, h0 % ring + (h1 - h0)
@@ -511,10 +487,10 @@ def prefetch(table: Any, next_indices: Any) -> bool:
 
 
 def lookup(table: CachedEmbeddings, indices: Any, offsets: Any, mode: str | None, weights: Any,
-           out: Any = None) -> Any:
-    """``lookup`` / ``lookup_into`` of a GPU cached table."""
+           out: Any = None, bags: Bags | None = None) -> Any:
+    """``lookup`` / ``lookup_into`` of a GPU cached table (``bags``: the batch, validated already)."""
     be = table.backend
-    dbags = table.resolve(indices, offsets, weights, mode)
+    dbags = table.resolve(indices, offsets, weights, mode, bags)
     shape = (dbags.nout, table.featuresize())
     if out is None:
         res = be.xp.empty(shape, np.float32)
@@ -536,4 +512,4 @@ def pullback(table: CachedEmbeddings, grad: Any, indices: Any, offsets: Any, mod
     dbags = table.resolve(indices, offsets, weights, mode, bags, reuse=True)
     state = table.device_state(optimizer)
     ops.apply_pullback(be, table._W, state, ops.PreparedUpdate(dbags, g, pending), optimizer)
-    table.updated(optimizer)
+    table.updated()

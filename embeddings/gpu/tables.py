@@ -43,7 +43,7 @@ def as_output(out: Any) -> Any:
 
 
 def _cached(table: Any) -> bool:
-    return getattr(table, "on_device", False)
+    return isinstance(table, cached.CachedEmbeddings)
 
 
 def lookup(table: Any, indices: Any, offsets: Any, mode: str | None, weights: Any, out: Any = None) -> Any:
@@ -149,16 +149,16 @@ def _ensemble_lookup_per_table(tables: list, indices, offsets, mode, weights, ou
     """An ensemble with GPU cached tables: every batch validated, then one lookup per table."""
     T = len(tables)
     offsets, weights = _per_table(T, indices, offsets, weights)
-    bags = [t.validate(i, o, w, mode) if _cached(t) else None for t, i, o, w in zip(tables, indices, offsets, weights)]
-    parts = [cached.lookup(t, i, o, mode, w) if _cached(t) else _raw_lookup(t, i, o, mode, w)
-             for t, i, o, w in zip(tables, indices, offsets, weights)]
-    _same_batch([p.shape[0] for p in parts] + [b.nout for b in bags if b is not None])
-    xp = np if isinstance(parts[0], np.ndarray) else cuda_backend().xp
+    bags = [t.validate(i, o, w, mode) if _cached(t) else make_bags(t.name, t.nvectors(), i, o, w, mode)
+            for t, i, o, w in zip(tables, indices, offsets, weights)]
+    _same_batch([b.nout for b in bags])
+    parts = [cached.lookup(t, i, o, mode, w, bags=b) if _cached(t) else _raw_lookup(t, i, o, mode, w)
+             for t, i, o, w, b in zip(tables, indices, offsets, weights, bags)]
+    be = next(t.backend for t in tables if _cached(t))
     if out is None:
-        res = xp.stack(parts, axis=1)
+        res = be.xp.stack(parts, axis=1)
         return res if isinstance(res, np.ndarray) else as_output(res)
-    F = tables[0].featuresize()
-    ops.check_out(cuda_backend() if xp is not np else _host_backend(), out, (parts[0].shape[0], T, F), "ensemble")
+    ops.check_out(be, out, (bags[0].nout, T, tables[0].featuresize()), "ensemble")
     for i, p in enumerate(parts):
         out[:, i, :] = p
     return out
@@ -170,11 +170,6 @@ def _raw_lookup(table: Any, indices, offsets, mode, weights) -> Any:
         if W is None:
             raise RuntimeError(f"{table.name}: moved off the GPU during an ensemble lookup")
         return ops.lookup(cuda_backend(), table.name, W, indices, offsets, mode=mode, weights=weights)
-
-
-def _host_backend() -> Any:
-    from .backend import ReferenceBackend
-    return ReferenceBackend()
 
 
 def ensemble_pullback(tables: list, grad: Any, indices, offsets, mode, weights, optimizer) -> None:
