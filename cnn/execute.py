@@ -114,6 +114,7 @@ class Executor:
         on the host, done), after the inputs were released."""
         t0 = time.perf_counter()
         views = [readable(x) for x in inputs]
+        done = None  # if the kernel raises, the views are released with records of their own
         try:
             nbytes = fast = 0
             for v in {v.object.id: v for v in views}.values():
