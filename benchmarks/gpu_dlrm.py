@@ -5,11 +5,13 @@ memory; ``--tables``/``--rows`` change it, ``--quick`` runs 8 x 1M): bottom MLP 
 1024-1024-1024-1, dot interaction, batch 16384, 20 lookups per bag, Zipf(1) indices. Three
 trainers run in alternating rounds on the same index stream:
 
-* ours: ``dlrm.DLRM(device="gpu")`` over the GPU ``CachedEmbeddings`` (tables in page-locked
-  host DRAM, an HBM budget of ``--budget`` of the tables' bytes for the cache rows and the
-  pointer tables, the cache fraction being what the budget holds; ``--policy static`` caches the
-  most frequent rows, known from the index generator, ``dynamic`` caches on access); the next
-  batch is prefetched before the current batch's dense work, as ``dlrm.train`` does;
+* ours: ``dlrm.DLRM(device="gpu")`` over GPU cached tables (tables in page-locked host DRAM,
+  an HBM budget of ``--budget`` of the tables' bytes for the cache rows and their bookkeeping,
+  the cache fraction being what the budget holds). ``--policy lru`` (default): the
+  set-associative ``LRUCachedEmbeddings``, whose tags live in HBM so that the GPU finds hits and
+  moves misses itself; ``dynamic`` / ``static``: the ``CachedEmbeddings`` with host bookkeeping
+  (caching on access, or the most frequent rows known from the index generator). The next
+  batch is prefetched while the current batch's dense work runs, as ``dlrm.train`` does;
 * in HBM: the same model with tables small enough to sit in HBM (``rows / --shrink`` rows each),
   the same Zipf ranks scaled down to them;
 * PyTorch without FBGEMM: ``nn.EmbeddingBag(sparse=True)`` over the same host tables on the CPU,
@@ -379,7 +381,8 @@ def main(argv=None) -> int:
     p.add_argument("--tables", type=int, default=8, help="part 1: tables")
     p.add_argument("--rows", type=int, default=45_000_000, help="part 1: rows per table")
     p.add_argument("--budget", type=float, default=10.0, help="part 1: HBM budget, percent of the tables' bytes")
-    p.add_argument("--policy", choices=("static", "dynamic"), default="dynamic", help="part 1: cache policy")
+    p.add_argument("--policy", choices=("lru", "static", "dynamic"), default="lru",
+                   help="part 1: cache policy (lru: tags in HBM, run by the GPU; static/dynamic: host bookkeeping)")
     p.add_argument("--batch", type=int, default=16384, help="part 1: batch size")
     p.add_argument("--lookups", type=int, default=20, help="part 1: lookups per bag")
     p.add_argument("--shrink", type=int, default=10, help="part 1: the in-HBM tables have rows / SHRINK rows")

@@ -146,7 +146,8 @@ class DLRM:
         return batch.dense, batch.labels
 
     def train_step(self, batch: Batch, next_batch: Batch | None = None) -> StepResult:
-        """One step on ``batch``; ``next_batch`` (when known) is prefetched before the dense work."""
+        """One step on ``batch``; ``next_batch`` (when known) is prefetched while the dense work runs
+        (dispatched before the prefetch, awaited after it)."""
         tm = self.timer
         with tm("cache flush"):
             for t in self.tables:
@@ -154,11 +155,12 @@ class DLRM:
         dense, labels = self._inputs(batch)
         with tm("lookup"):
             emb = self.lookup(batch)
+        step = self._grad(self.params, dense, emb, labels)  # dispatched: the GPU runs it during the prefetch
         if next_batch is not None:
             with tm("prefetch"):
                 self.prefetch(next_batch)
         with tm("dense fwd+bwd"):
-            loss, p, g, gemb = jax.block_until_ready(self._grad(self.params, dense, emb, labels))
+            loss, p, g, gemb = jax.block_until_ready(step)
         with tm("embedding update"):
             self._pullback(gemb if self.device == "gpu" else np.asarray(gemb), batch)
         with tm("dense update"):

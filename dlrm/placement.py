@@ -11,7 +11,9 @@ This module is the only place in ``dlrm`` that knows about table types and devic
 
 On a manager whose fast level is a GPU (``--device gpu``, :mod:`dlrm.gpu`), ``dram`` tables
 are in HBM and the cached policies use the GPU ``CachedEmbeddings`` over tables in host DRAM
-(``simple``: no cache rows, every row read from the host).
+(``simple``: no cache rows, every row read from the host); ``lru`` (GPU only) caches rows in
+sets of ways whose tags live in HBM, so the device itself finds and moves the rows
+(:class:`embeddings.gpu.lru.LRUCachedEmbeddings`).
 
 Tables are filled with the reference DLRM initialisation, uniform in +-sqrt(1/rows), from a
 per-table seeded stream (chunked, so a 10M-row table needs no float64 temporary).
@@ -29,6 +31,7 @@ from embeddings import CachedEmbeddings, EmbeddingTable, SimpleEmbedding
 from .data.batch import Batch
 
 POLICIES = ("dram", "simple", "static", "dynamic")
+GPU_POLICIES = ("lru",)  # policies only a GPU manager has
 _INIT_CHUNK = 1 << 20  # rows per initialisation chunk
 
 
@@ -82,15 +85,19 @@ def make_tables(sizes: Sequence[int], featuresize: int, policy: str, manager: Ma
     ``arrays``: existing float32 ``(rows, featuresize)`` arrays to build the tables over instead of
     new ones (e.g. the named objects of a persistent pool); ``dram`` moves them into DRAM.
     """
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    if policy not in POLICIES + GPU_POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES + GPU_POLICIES}, got {policy!r}")
     if manager.policy is None:
         manager.set_policy(LRUPolicy())
     names = [f"table{i}" for i in range(len(sizes))] if names is None else list(names)
     on_gpu = manager.fast.memory_space != "host"
-    cached = policy in ("static", "dynamic") or (on_gpu and policy == "simple")
+    if policy == "lru" and not on_gpu:
+        raise ValueError("policy 'lru' is the GPU cache (tags in HBM): it needs a manager whose fast level is a GPU")
+    cached = policy in ("static", "dynamic", "lru") or (on_gpu and policy == "simple")
     cache_class = CachedEmbeddings
-    if on_gpu and cached:
+    if policy == "lru":
+        from embeddings.gpu.lru import LRUCachedEmbeddings as cache_class
+    elif on_gpu and cached:
         from embeddings.gpu.cached import CachedEmbeddings as cache_class
     if cached and not 0.0 <= cache_fraction <= 1.0:
         raise ValueError(f"cache_fraction must be in [0, 1], got {cache_fraction}")
@@ -117,6 +124,9 @@ def make_tables(sizes: Sequence[int], featuresize: int, policy: str, manager: Ma
         if cached:
             rows = cache_rows(n, cache_fraction) if policy != "simple" else 0
             hot_t = hot[t] if hot is not None and policy == "static" else None
+            if policy == "lru":
+                tables.append(cache_class(x, manager, cache_rows=rows, name=name))
+                continue
             extra = {"manager": manager} if on_gpu else {}
             tables.append(cache_class(x, policy=policy, cache_rows=rows, hot=hot_t, name=name, **extra))
         else:
@@ -125,8 +135,9 @@ def make_tables(sizes: Sequence[int], featuresize: int, policy: str, manager: Ma
 
 
 def is_cached(t: EmbeddingTable) -> bool:
-    """Whether ``t`` is a cached table (the CPU class, or the GPU one, which derives from it)."""
-    return isinstance(t, CachedEmbeddings)
+    """Whether ``t`` is a cached table (the CPU class, the GPU one derived from it, or the GPU
+    set-associative one)."""
+    return isinstance(t, CachedEmbeddings) or getattr(t, "gpu_cache", False)
 
 
 def table_array(t: EmbeddingTable) -> CachedArray | np.ndarray:

@@ -32,7 +32,7 @@ from . import gpu
 from .dense import PRECISIONS, DLRMConfig
 from .metrics import accuracy
 from .model import DEVICES
-from .placement import POLICIES, cache_rows, flush, hitrate, hot_rows, make_tables, table_devices
+from .placement import GPU_POLICIES, POLICIES, cache_rows, flush, hitrate, hot_rows, make_tables, table_devices
 
 DEFAULTS = dict(sizes="100000-50000-20000-10000-5000-2000-1000-500", bot="13-512-256-64-16", top="512-256-1")
 
@@ -103,9 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--checkpoint-minutes", type=float, default=0.0, metavar="MINUTES",
                    help="... and/or every MINUTES minutes of training (0: off)")
     m = p.add_argument_group("memory (ours)")
-    m.add_argument("--policy", choices=POLICIES, default="dram",
-                   help="dram: tables in DRAM; simple: tables in PM; static/dynamic: CachedEmbeddings")
-    m.add_argument("--cache-fraction", type=float, default=0.1, help="static/dynamic: cached rows per table")
+    m.add_argument("--policy", choices=POLICIES + GPU_POLICIES, default="dram",
+                   help="dram: tables in DRAM; simple: tables in PM; static/dynamic: CachedEmbeddings; "
+                        "lru (--device gpu): a set-associative cache in HBM run by the GPU itself")
+    m.add_argument("--cache-fraction", type=float, default=0.1, help="static/dynamic/lru: cached rows per table")
     m.add_argument("--static-sample-batches", type=int, default=16,
                    help="static: fill the cache with the rows most used in this many training batches "
                         "(0: random rows)")
@@ -117,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(created if missing) and continue from its last durable point")
     m.add_argument("--threads", type=int, default=0, help="numba threads (0: all cores)")
     m.add_argument("--device", choices=DEVICES, default="cpu",
-                   help="gpu: dense part and tables on the GPU (dram: tables in HBM; simple/static/dynamic: "
+                   help="gpu: dense part and tables on the GPU (dram: tables in HBM; simple/static/dynamic/lru: "
                         "host tables with hot rows cached in HBM)")
     m.add_argument("--fast-budget", type=gpu.parse_budget, default="auto", metavar="SIZE|PCT",
                    help="--device gpu: HBM the tables may use, a size (8GiB) or a percentage of the tables' bytes "
@@ -192,6 +193,8 @@ def check_args(args) -> None:
         if args.resume_from_pool or args.pm_path is not None:
             raise SystemExit("error: --device gpu keeps the tables in host DRAM and HBM; --pm-path and "
                              "--resume-from-pool are CPU-only (use --save/--load to checkpoint)")
+    elif args.policy == "lru":
+        raise SystemExit("error: --policy lru is the GPU cache (tags in HBM, run by the GPU); it needs --device gpu")
     elif args.fast_budget != "auto":
         raise SystemExit("error: --fast-budget caps the HBM of --device gpu; the CPU run's DRAM heap is --fast-capacity")
     if args.save:

@@ -56,6 +56,21 @@ def _nchunks(n: int) -> int:
     return max(1, min(n, 4 * numba.get_num_threads()))
 
 
+def open_base(base: Any, manager: Manager | None, name: str) -> tuple[CachedArray, Manager, Any]:
+    """A cached table's base: ``base`` in the slow device (a plain array is copied into a new
+    CachedArray there), pinned for as long as the table is open. Returns the CachedArray, its
+    manager and the pinned view."""
+    if isinstance(base, CachedArray):
+        manager = base.manager
+    elif manager is None:
+        raise TypeError(f"{name}: a manager is needed to place a plain array in the slow device")
+    else:
+        base = CachedArray(np.asarray(base), manager, place="slow")
+    if manager.policy.in_fast(base.object):
+        evict(base)
+    return base, manager, writable(base)
+
+
 class CachedEmbeddings(EmbeddingTable):
     """An embedding table whose hot rows are cached in the fast device.
 
@@ -122,22 +137,13 @@ class CachedEmbeddings(EmbeddingTable):
             self._fill_static(hot, seed)
 
     def _open_base(self, base: Any, manager: Manager | None, policy: str, second_chance: bool, name: str) -> Any:
-        """Check the policy, put ``base`` in the slow device (a plain array is copied into a new
-        CachedArray there) and pin it for as long as the table is open; its view's array."""
+        """Check the policy and open ``base`` (:func:`open_base`); its view's array."""
         if policy not in POLICIES:
             raise ValueError(f"{name}: unknown policy {policy!r}; choose from {POLICIES}")
-        if isinstance(base, CachedArray):
-            manager = base.manager
-        elif manager is None:
-            raise TypeError(f"{name}: a manager is needed to place a plain array in the slow device")
-        else:
-            base = CachedArray(np.asarray(base), manager, place="slow")
-        self.name, self.manager, self.policy, self.second_chance = name, manager, policy, second_chance
-        if manager.policy.in_fast(base.object):
-            evict(base)
-        self.base_array = base
-        self._pins = [writable(base)]
-        return self._pins[0].array
+        self.base_array, self.manager, pin = open_base(base, manager, name)
+        self.name, self.policy, self.second_chance = name, policy, second_chance
+        self._pins = [pin]
+        return pin.array
 
     def _fast(self, shape_or_data: Any, dtype: Any = None) -> np.ndarray:
         arr = CachedArray(shape_or_data, self.manager, dtype, place="fast")

@@ -36,6 +36,9 @@ def test_hbm_need_counts_tables_or_cache_and_staging_rows():
     assert gpu.hbm_need("static", sizes, F, rows) == (110 + 2 * gpu.STAGING_ROWS) * per_row
     assert gpu.hbm_need("dynamic", sizes, F, rows) == (110 + 2 * gpu.STAGING_ROWS) * per_row
     assert gpu.hbm_need("simple", sizes, F, rows) == 2 * gpu.STAGING_ROWS * per_row
+    # lru: each cache rounded up to whole sets of WAYS slots, each slot with its tag, stamp and dirty bit
+    slots = 16 + 112 if gpu.WAYS == 16 else None
+    assert gpu.hbm_need("lru", sizes, F, rows) == (per_row + gpu.SLOT_BYTES) * slots + 2 * gpu.STAGING_ROWS * per_row
 
 
 def test_resolve_budget_reads_percentages_of_the_tables_and_refuses_too_little():
@@ -62,6 +65,7 @@ def test_device_gpu_without_a_gpu_says_why():
 @pytest.mark.parametrize("extra,message", [
     (["--fast-budget", "1GiB"], "--fast-budget caps the HBM of --device gpu"),
     (["--device", "gpu", "--pm-path", "somewhere"], "--pm-path and --resume-from-pool are CPU-only"),
+    (["--policy", "lru"], "--policy lru is the GPU cache .* it needs --device gpu"),
 ])
 def test_contradictory_device_flags_are_refused(extra, message):
     with pytest.raises(SystemExit, match=message):
@@ -74,11 +78,11 @@ def test_with_next_pairs_every_batch_with_the_one_after():
 
 
 # ------------------------------------------------------------------ on a GPU
-CACHED = ("static", "dynamic", "simple")
+CACHED = ("static", "dynamic", "simple", "lru")
 
 
 def _policies():
-    return [("dram", "sgd"), ("dram", "adagrad")] + [(p, "sgd") for p in CACHED]
+    return [("dram", "sgd"), ("dram", "adagrad"), ("lru", "adagrad")] + [(p, "sgd") for p in CACHED]
 
 
 @pytest.mark.gpu
@@ -134,23 +138,28 @@ def test_gpu_checkpoint_resume_and_a_budget_several_times_smaller_than_the_table
                                      "--cache-fraction", "0.05", "--num-batches", "12"])
     assert small["summary"]["capacity"]["GPU"] == 150000 * 16 * 4 // 4
     assert small["summary"]["peak_memory"]["GPU"] <= 150000 * 16 * 4 // 4
+    lru = train.main(TINY + big + ["--device", "gpu", "--policy", "lru", "--fast-budget", "25%",
+                                   "--cache-fraction", "0.05", "--num-batches", "12"])
+    assert lru["summary"]["peak_memory"]["GPU"] <= 150000 * 16 * 4 // 4
+    np.testing.assert_allclose([v for _, v in lru["losses"]], [v for _, v in small["losses"]], rtol=1e-5)
 
 
 
-def test_cache_fraction_for_a_budget_is_the_inverse_of_hbm_need():
+@pytest.mark.parametrize("policy", ["dynamic", "lru"])
+def test_cache_fraction_for_a_budget_is_the_inverse_of_hbm_need(policy):
     sizes, F = [400_000, 200_000], 64
     budget = gpu.SLACK + 10_000_000
-    f = gpu.cache_fraction_for(budget, "dynamic", sizes, F)
+    f = gpu.cache_fraction_for(budget, policy, sizes, F)
     rows = [int(f * n) for n in sizes]
-    assert gpu.hbm_need("dynamic", sizes, F, rows) <= budget - gpu.SLACK
-    assert gpu.hbm_need("dynamic", sizes, F, [r + 100 for r in rows]) > budget - gpu.SLACK
+    assert gpu.hbm_need(policy, sizes, F, rows) <= budget - gpu.SLACK
+    assert gpu.hbm_need(policy, sizes, F, [r + 100 for r in rows]) > budget - gpu.SLACK
     assert gpu.cache_fraction_for(gpu.SLACK, "static", sizes, F) == 0.0
 
 
-def test_the_per_table_path_prefetches_the_next_batch_before_the_dense_work(monkeypatch):
+def test_the_per_table_path_prefetches_the_next_batch_while_the_dense_work_runs(monkeypatch):
     """The GPU trainer's logic for cached tables, run on the CPU: tables the ensemble does not
     take get one lookup and one update each (same losses as the ensemble), and every step hands
-    the next batch's flat indices to ``prefetch`` after the lookup and before the dense step."""
+    the next batch's flat indices to ``prefetch`` after the dense step was dispatched."""
     import dlrm.model as M
     from dlrm import DLRM, DLRMConfig
     from dlrm.data import SyntheticData
@@ -185,8 +194,8 @@ def test_the_per_table_path_prefetches_the_next_batch_before_the_dense_work(monk
         if nxt is None:
             assert events == ["dense"]
         else:
-            assert [e if e == "dense" else e[0] for e in events] == ["t0", "t1", "t2", "t3", "dense"]
-            for (name, idx), t in zip(events[:4], range(4)):
+            assert [e if e == "dense" else e[0] for e in events] == ["dense", "t0", "t1", "t2", "t3"]
+            for (name, idx), t in zip(events[1:], range(4)):
                 np.testing.assert_array_equal(idx, nxt.bags(t)[0])
     # Where JAX runs on a GPU, the two models' separately compiled dense steps differ slightly
     # (TF32 matmuls, per-executable GEMM choices): measured 3.1e-5 relative on the H100.

@@ -64,6 +64,12 @@ class ReferenceBackend:
     def upload(self, dst: Any, src: np.ndarray) -> None:
         dst[...] = src
 
+    def mapped(self, host: np.ndarray) -> tuple[np.ndarray, Any]:
+        return host, None
+
+    def unmap(self, handle: Any) -> None:
+        pass
+
     def fence(self) -> Any:
         return None
 
@@ -169,6 +175,29 @@ class CudaBackend:
         rt.memcpyAsync(dst.data.ptr, src.ctypes.data, src.nbytes, rt.memcpyHostToDevice,
                        cp.cuda.get_current_stream().ptr)
 
+    def mapped(self, host: np.ndarray) -> tuple[Any, Any]:
+        """``host`` as a device array that kernels read and write in place, over PCIe (the
+        host memory's mapped address), and a handle for :meth:`unmap` (None: nothing to undo).
+        Page-locked memory is taken as it is; pageable memory is page-locked first."""
+        cp = self.xp
+        rt = cp.cuda.runtime
+        ptr, nbytes = host.ctypes.data, host.nbytes
+        if nbytes == 0:
+            return cp.empty(host.shape, host.dtype), None
+        handle = None
+        if not _page_locked(rt, ptr):
+            rt.hostRegister(ptr, nbytes, _REGISTER_MAPPED)
+            handle = ptr
+        dptr = rt.pointerGetAttributes(ptr).devicePointer
+        mem = cp.cuda.UnownedMemory(dptr, nbytes, host, device_id=cp.cuda.Device().id)
+        return cp.ndarray(host.shape, host.dtype, cp.cuda.MemoryPointer(mem, 0), strides=host.strides), handle
+
+    def unmap(self, handle: Any) -> None:
+        """Undo :meth:`mapped` (after the work that used the mapping has finished)."""
+        if handle is not None:
+            self.sync()
+            self.xp.cuda.runtime.hostUnregister(handle)
+
     def fence(self) -> Any:
         """An event after the work queued so far on the current stream."""
         ev = self.xp.cuda.Event(disable_timing=True)
@@ -251,6 +280,17 @@ class CudaBackend:
             (-(-L // rows),), (g, rows),
             (W, np.int32(FT), np.int32(F), cuda.ptr(state), grad, gstride, plan.srow, plan.perm, np.int64(L), C)
             + common + step)
+
+
+_REGISTER_MAPPED = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
+
+
+def _page_locked(rt: Any, ptr: int) -> bool:
+    """Whether host address ``ptr`` is page-locked (allocated pinned or registered)."""
+    try:
+        return rt.pointerGetAttributes(ptr).type == 1  # cudaMemoryTypeHost
+    except rt.CUDARuntimeError:
+        return False
 
 
 _POOLED = {(v4, i32): f"pooled_{'v4' if v4 else 'v1'}_{'i32' if i32 else 'i64'}"

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from cachedarrays import CachedArray, Manager, unsafe_free, writable
+from cachedarrays import Manager
 
 from .. import cached as C
 from ..batch import Bags, make_bags
@@ -44,6 +44,7 @@ from ..optim import RowwiseAdagrad
 from ..protocol import Context, RowSource
 from . import ops
 from .backend import ReferenceBackend, cuda_backend
+from .hbm import DeviceArrays
 
 STAGING_ROWS = 4096  # the staging area's initial rows
 STATE_BYTES = 4  # per cache or staging row of a table trained with row-wise Adagrad: its accumulator
@@ -57,6 +58,7 @@ class CachedEmbeddings(C.CachedEmbeddings):
     Tables are float32. ``staging_rows``: the staging area's initial size (it grows on demand)."""
 
     on_device = True  # lookups and updates take embeddings.gpu.tables, not the CPU kernels
+    gpu_cache = True  # a cached GPU table: its batches are resolved to slots, and it prefetches
 
     def __init__(self, base: Any, manager: Manager | None = None, *, policy: str = "dynamic",
                  cache_rows: int | None = None, cache_fraction: float = 0.1, cacheslack: int | None = None,
@@ -64,14 +66,12 @@ class CachedEmbeddings(C.CachedEmbeddings):
                  staging_rows: int = STAGING_ROWS, name: str = "table") -> None:
         view = self._open_base(base, manager, policy, second_chance, name)
         manager = self.manager
-        self._dev: list = []  # pinned views of the device arrays
-        if not isinstance(view, np.ndarray):
+        self._hbm = DeviceArrays(manager, name)
+        try:
+            host_base(view, manager, name)
+        except (ValueError, TypeError):
             self.close()
-            raise ValueError(f"{name}: the base table must be in host memory; {manager.fast.name} holds the cache")
-        if view.dtype != np.float32 or view.ndim != 2 or not view.flags.c_contiguous:
-            self.close()
-            raise TypeError(f"{name}: the base table must be a row-major 2-d float32 array, got "
-                            f"{view.dtype} {view.shape}")
+            raise
         self._dtype, self._base = view.dtype, view
         nvectors, F = view.shape
         self._rowbytes = F * 4
@@ -99,7 +99,7 @@ class CachedEmbeddings(C.CachedEmbeddings):
                                                      C.PAGE_BYTES // max(1, self._rowbytes))))
         ring = -(-rows // self.page_rows) * self.page_rows
         self._ring = ring
-        self._W = self._device_array((ring + max(1, int(staging_rows)), F))
+        self._W = self._hbm.new((ring + max(1, int(staging_rows)), F))
         self.backend = ReferenceBackend() if isinstance(self._W, np.ndarray) else cuda_backend()
         self._hstage = self.backend.pinned((self._W.shape[0] - ring, F), np.float32)
         self._cache = self.backend.pinned((ring, F), np.float32)  # the host mirror of the ring
@@ -115,25 +115,6 @@ class CachedEmbeddings(C.CachedEmbeddings):
         if policy == "static":
             self._fill_static(hot, seed)
 
-    def _device_array(self, shape: tuple, dtype: Any = np.float32) -> Any:
-        """A new array in the manager's fast level, pinned while the table is open."""
-        try:
-            arr = CachedArray(shape, self.manager, dtype, place="fast")
-        except MemoryError as e:
-            raise MemoryError(f"{self.name}: {shape} {np.dtype(dtype)} does not fit {self.manager.fast.name}: {e}") \
-                from None
-        view = writable(arr)
-        self._dev.append(view)
-        return view.array
-
-    def _drop_device_array(self, arr: Any) -> None:
-        for i, v in enumerate(self._dev):
-            if v.array is arr:
-                del self._dev[i]
-                v.release()
-                unsafe_free([v])
-                return
-
     # ------------------------------------------------------------------ table protocol
     def rows(self, context: Context | None, indices: np.ndarray | None = None,
              writable: bool = False) -> RowSource:
@@ -143,9 +124,7 @@ class CachedEmbeddings(C.CachedEmbeddings):
     def validate(self, indices: Any, offsets: Any, weights: Any, mode: str | None) -> Bags:
         """The batch checked as the CPU checks it (device arrays are read back first)."""
         self._check_open()
-        be = self.backend
-        host = [None if x is None else (be.to_host(x) if be.is_device(x) else x) for x in (indices, offsets, weights)]
-        return make_bags(self.name, self.nvectors(), host[0], host[1], host[2], mode)
+        return validate_batch(self, indices, offsets, weights, mode)
 
     def resolve(self, indices: Any, offsets: Any, weights: Any, mode: str | None,
                 bags: Bags | None = None, reuse: bool = False) -> ops.DeviceBags:
@@ -253,21 +232,21 @@ class CachedEmbeddings(C.CachedEmbeddings):
         be.wait(self._inflight)
         self._cache[...] = be.to_host(self._W[:ring])
         held = be.to_host(self._dstate[:ring]) if self._dstate is not None else None
-        self._drop_device_array(self._W)
+        self._hbm.drop(self._W)
         self._W = None
         if held is not None:
-            self._drop_device_array(self._dstate)
+            self._hbm.drop(self._dstate)
             self._dstate = None
         try:
-            self._W = self._device_array((ring + new, F))
+            self._W = self._hbm.new((ring + new, F))
             refused = False
         except MemoryError:
-            self._W = self._device_array((ring + have, F))  # as before, so the table stays usable
+            self._W = self._hbm.new((ring + have, F))  # as before, so the table stays usable
             new, refused = have, True
         be.upload(self._W[:ring], self._cache)
         if held is not None:
             self._sstage[...] = held
-            self._dstate = self._device_array((ring + new,), np.float32)
+            self._dstate = self._hbm.new((ring + new,), np.float32)
             be.upload(self._dstate[:ring], self._sstage)
             self._sstage_tail = be.pinned((new,), np.float32)
         self._inflight = be.fence()
@@ -307,10 +286,10 @@ class CachedEmbeddings(C.CachedEmbeddings):
             return self._dstate
         if self._opt is not None:
             self._state_down()
-            self._drop_device_array(self._dstate)
+            self._hbm.drop(self._dstate)
         self._hstate = optimizer.state(self)
         ring = self._ring
-        self._dstate = self._device_array((self._W.shape[0],), np.float32)
+        self._dstate = self._hbm.new((self._W.shape[0],), np.float32)
         self._sstage = self.backend.pinned((ring,), np.float32)
         self._sstage_tail = self.backend.pinned((self._W.shape[0] - ring,), np.float32)
         live = self._live_slots()
@@ -436,7 +415,7 @@ class CachedEmbeddings(C.CachedEmbeddings):
         self._staged, self._staged_dirty = _EMPTY, False
         self._dirty = False
         if self._dstate is not None:
-            self._drop_device_array(self._dstate)
+            self._hbm.drop(self._dstate)
         self._opt = self._hstate = self._dstate = None
         self._flush(0, writeback=False)
         self._generation += 1
@@ -447,12 +426,9 @@ class CachedEmbeddings(C.CachedEmbeddings):
         """Write everything back (if the table holds updates), then free the device arrays."""
         if not self._pins:
             return
-        if self._dev:  # not when construction failed before the device arrays
+        if self._hbm:  # not when construction failed before the device arrays
             self.writeback()
-            for v in self._dev:
-                v.release()
-            unsafe_free(self._dev)
-            self._dev = []
+            self._hbm.close()
         views, self._pins = self._pins, []
         for v in views:
             v.release()
@@ -471,6 +447,23 @@ class CachedEmbeddings(C.CachedEmbeddings):
                 f"featuresize={self.featuresize()}, cached={self.cached_rows})")
 
 
+def host_base(view: Any, manager: Manager, name: str) -> np.ndarray:
+    """A GPU cached table's base as opened (:func:`embeddings.cached.open_base`): a row-major
+    2-d float32 array in host memory, else the error that says so."""
+    if not isinstance(view, np.ndarray):
+        raise ValueError(f"{name}: the base table must be in host memory; {manager.fast.name} holds the cache")
+    if view.dtype != np.float32 or view.ndim != 2 or not view.flags.c_contiguous:
+        raise TypeError(f"{name}: the base table must be a row-major 2-d float32 array, got {view.dtype} {view.shape}")
+    return view
+
+
+def validate_batch(table: Any, indices: Any, offsets: Any, weights: Any, mode: str | None) -> Bags:
+    """A GPU cached table's batch checked as the CPU checks it (device arrays read back first)."""
+    be = table.backend
+    host = [None if x is None else (be.to_host(x) if be.is_device(x) else x) for x in (indices, offsets, weights)]
+    return make_bags(table.name, table.nvectors(), host[0], host[1], host[2], mode)
+
+
 def _ranges(h0: int, h1: int, ring: int) -> list[tuple[int, int]]:
     """Ring positions ``[h0, h1)`` as at most two slot ranges."""
     a, b = h0 % ring, h0 % ring + (h1 - h0)
@@ -481,7 +474,7 @@ def prefetch(table: Any, next_indices: Any) -> bool:
     """Start bringing the rows of ``next_indices`` (the next batch of ``table``) into HBM while the
     current batch computes; whether anything was admitted (a GPU CachedEmbeddings under the
     dynamic policy with room left; other tables ignore it)."""
-    if isinstance(table, CachedEmbeddings):
+    if getattr(table, "gpu_cache", False):
         return table.prefetch(next_indices)
     return False
 

@@ -43,7 +43,8 @@ def as_output(out: Any) -> Any:
 
 
 def _cached(table: Any) -> bool:
-    return isinstance(table, cached.CachedEmbeddings)
+    """A GPU cached table (:mod:`.cached` or :mod:`.lru`): batches resolve to its slots."""
+    return getattr(table, "gpu_cache", False)
 
 
 def lookup(table: Any, indices: Any, offsets: Any, mode: str | None, weights: Any, out: Any = None) -> Any:

@@ -1,0 +1,491 @@
+"""``LRUCachedEmbeddings``: hot rows cached in HBM, found and moved by the device itself.
+
+Layout (FBGEMM's "UVM cache" design). The cache is ``sets x ways`` slots of rows in the
+manager's fast level (HBM); a row may live only in the ways of its set (a hash of the row
+number). Beside the rows, in HBM: the tags (the row each slot holds, -1 when free), the stamps
+(the last batch that used the slot) and the dirty bits. The base table stays in page-locked
+host memory, which the GPU reads and writes in place through its mapped address.
+
+Resolving a batch is array work on the device, with no per-index work on the host: probe the
+ways of each index's set, stamp the hits, find the distinct misses, give the k-th miss of a set
+the k-th least recently used way whose stamp is older than the batches in flight, write the
+evicted dirty rows back and read the admitted rows in (both over PCIe, by the GPU), and replace
+each index by its slot. The host waits only for sizes (how many distinct misses, victims,
+write-backs). A miss whose set has no way left (every way used by a batch in flight) goes to a
+staging area after the ways: read in the same way, written back after its update, before the
+next batch is resolved. A row's updates keep batch order on whatever slot holds it, so results
+equal the uncached table's bit for bit.
+
+Against the host-bookkept :class:`.cached.CachedEmbeddings` (pointer table on the host, CLOCK
+pages): nothing scales with the batch on the host, at the price of set conflicts (a set's rows
+compete for its ways) instead of one global order of eviction.
+
+Prefetch. ``prefetch(next_indices)`` resolves the next batch while the current one computes:
+the current batch's ways are locked by their stamps, so nothing it reads or updates moves; it
+stages nothing and admits nothing while the current batch has staged rows (their updates have
+not reached the base table). The next lookup of the same indices reuses its slots.
+
+On a manager without a GPU the same code runs with numpy as the device (the reference backend:
+the base table is its own mapped view), which is what CI tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from cachedarrays import Manager
+from cachedarrays.errors import InvariantError
+
+from .. import cached as C
+from ..batch import Bags
+from ..optim import RowwiseAdagrad
+from ..protocol import Context, EmbeddingTable, RowSource
+from . import ops
+from .backend import ReferenceBackend, cuda_backend
+from .cached import STAGING_ROWS, host_base, validate_batch
+from .hbm import DeviceArrays
+
+WAYS = 16
+SLOT_BYTES = 8 + 4 + 1  # per slot beside its row: tag (int64), stamp (int32), dirty bit (bool)
+_MIX = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: consecutive rows land in distant sets
+
+
+class LRUCachedEmbeddings(EmbeddingTable):
+    """An embedding table in host memory whose hot rows are cached in the manager's fast level
+    (HBM on a GPU manager) in ``ways``-way sets, least recently used way evicted first. ``base``,
+    ``manager``, ``cache_rows`` / ``cache_fraction`` as for :class:`embeddings.CachedEmbeddings`
+    (the cache holds ``cache_rows`` rounded up to whole sets). Tables are float32.
+    ``staging_rows``: the staging area's initial size (it grows on demand)."""
+
+    on_device = True  # lookups and updates take embeddings.gpu.tables, not the CPU kernels
+    gpu_cache = True  # a cached GPU table: its batches are resolved to slots, and it prefetches
+    policy = "lru"
+
+    def __init__(self, base: Any, manager: Manager | None = None, *, cache_rows: int | None = None,
+                 cache_fraction: float = 0.1, ways: int = WAYS, staging_rows: int = STAGING_ROWS,
+                 name: str = "table") -> None:
+        self.name = name
+        self.base_array, self.manager, pin = C.open_base(base, manager, name)
+        self._pins = [pin]
+        self._hbm = DeviceArrays(self.manager, name)
+        view = pin.array
+        try:
+            self._base = host_base(view, self.manager, name)
+            nvectors, F = view.shape
+            rows = int(cache_rows) if cache_rows is not None else max(1, int(round(cache_fraction * nvectors)))
+            if not 1 <= rows <= nvectors:
+                raise ValueError(f"{name}: cache of {rows} rows must hold between 1 and {nvectors} rows")
+            if int(ways) < 1:
+                raise ValueError(f"{name}: ways must be at least 1, got {ways}")
+            self.ways = min(int(ways), rows)
+            self.sets = -(-rows // self.ways)
+            self._nslots = S = self.sets * self.ways
+            self._W = self._hbm.new((S + max(1, int(staging_rows)), F))
+            self.backend = ReferenceBackend() if isinstance(self._W, np.ndarray) else cuda_backend()
+            self._tags = self._hbm.new((S,), np.int64)
+            self._stamp = self._hbm.new((S + 1,), np.int32)  # [S]: where the stamps of misses go
+            self._dirty = self._hbm.new((S + 1,), np.bool_)  # [S]: where staging slots' bits go
+        except BaseException:
+            self.close()
+            raise
+        self._tags.fill(-1)
+        self._stamp.fill(0)
+        self._dirty.fill(False)
+        self._rowbytes = F * 4
+        xp = self.backend.xp
+        self._counts = xp.zeros(3, np.int64)  # hits, misses, rows admitted (on the device: no sync)
+        self._mapped, self._handles = {}, []
+        self._hbase = self._map(self._base)
+        self._clock = 0  # stamps given out so far
+        self._inflight_stamp = 0  # the stamp of the batch resolved last (its ways are locked for a prefetch)
+        self._staged = xp.empty(0, np.int64)  # rows in the staging area, by staging slot
+        self._staged_dirty = False
+        self._last = None  # the slots of the batch resolved last (an update marks them dirty)
+        self._memo: tuple | None = None  # (indices, offsets, weights, mode, generation, bags)
+        self._ahead: tuple | None = None  # a prefetched batch: (host indices, generation, device slots)
+        self._generation = 0  # changes whenever a resolved slot may stop holding its row
+        self.rows_written_back = 0
+        self._opt = self._hstate = self._dstate = self._hstate_dev = None
+
+    def _map(self, host: np.ndarray) -> Any:
+        view, handle = self.backend.mapped(host)
+        if handle is not None:
+            self._handles.append(handle)
+        return view
+
+    # ------------------------------------------------------------------ table protocol
+    def eltype(self) -> np.dtype:
+        return np.dtype(np.float32)
+
+    def featuresize(self) -> int:
+        return int(self._base.shape[1])
+
+    def nvectors(self) -> int:
+        return int(self._base.shape[0])
+
+    def example(self) -> Any:
+        return np.zeros(self.featuresize(), np.float32)
+
+    def rows(self, context: Context | None, indices: np.ndarray | None = None,
+             writable: bool = False) -> RowSource:
+        raise TypeError(f"{self.name}: a GPU cached table has no host row source; use embeddings.lookup / pullback")
+
+    # ------------------------------------------------------------------ resolution
+    def validate(self, indices: Any, offsets: Any, weights: Any, mode: str | None) -> Bags:
+        """The batch checked as the CPU checks it (device arrays are read back first)."""
+        self._check_open()
+        return validate_batch(self, indices, offsets, weights, mode)
+
+    def resolve(self, indices: Any, offsets: Any, weights: Any, mode: str | None,
+                bags: Bags | None = None, reuse: bool = False) -> ops.DeviceBags:
+        """The batch on the device with each index replaced by the slot holding its row
+        (admitting misses, staging what finds no way). ``reuse`` (a lookup's update): the last
+        resolution of the same arguments while its slots still hold their rows."""
+        memo = self._memo
+        if reuse and memo is not None and memo[0] is indices and memo[1] is offsets and memo[2] is weights \
+                and memo[3] == mode and memo[4] == self._generation:
+            return memo[5]
+        bags = self.validate(indices, offsets, weights, mode) if bags is None else bags
+        flat = bags.indices
+        self._finish_staging()
+        ahead, self._ahead = self._ahead, None
+        counted = ahead is not None and ahead[1] == self._generation and _same(ahead[0], flat)
+        slots = ahead[2] if counted else None
+        if slots is None:
+            slots = self._place(self.backend.asarray(flat.astype(np.int64, copy=False)), stage=True, count=not counted)
+        self._inflight_stamp = self._clock
+        dtype = np.int32 if self._W.shape[0] < 2 ** 31 else np.int64
+        dbags = ops.upload_bags(self.backend, bags, offsets is not None, slots.astype(dtype, copy=False))
+        self._last = dbags.idx
+        self._memo = (indices, offsets, weights, mode, self._generation, dbags)
+        return dbags
+
+    def prefetch(self, indices: Any) -> bool:
+        """Resolve ``indices`` (the next batch) now, while the current batch computes; whether
+        every row found a slot (then the lookup of the same indices reuses them). Counts the
+        batch's hits and misses (its lookup then does not)."""
+        self._check_open()
+        if self._staged.size:
+            return False
+        flat = self.validate(indices, None, None, None).indices.astype(np.int64, copy=False)
+        slots = self._place(self.backend.asarray(flat), stage=False)
+        self._ahead = (flat, self._generation, slots)
+        return slots is not None
+
+    def _set_of(self, rows: Any) -> Any:
+        """The set of each row (numpy or device array alike)."""
+        h = rows.astype(np.uint64) * _MIX
+        return ((h >> np.uint64(32)) % np.uint64(self.sets)).astype(np.int64)
+
+    def _place(self, idx: Any, stage: bool, count: bool = True) -> Any:
+        """Slots for the flat device indices ``idx`` under a new stamp: hits stamped, misses
+        admitted into the least recently used unlocked ways of their sets, the rest staged, hits
+        and misses counted when ``count``. Without ``stage`` (a prefetch) the ways of the batch
+        in flight are locked too, nothing is staged, and None is returned if a row found no way;
+        such a placement evicts no row of the batch in flight, so its resolution stays valid."""
+        xp, W, S = self.backend.xp, self.ways, self._nslots
+        self._clock += 1
+        now = self._clock
+        lock = now if stage else min(self._inflight_stamp, now) or now
+        n = int(idx.size)
+        if n == 0:
+            return xp.empty(0, np.int64)
+        sets = self._set_of(idx)
+        first = sets * W
+        ways = xp.arange(W, dtype=np.int64)
+        match = self._tags[first[:, None] + ways] == idx[:, None]
+        hit = match.any(axis=1)
+        slot = first + match.argmax(axis=1)
+        self._stamp[xp.where(hit, slot, S)] = now
+        if count:
+            nhit = hit.sum()
+            self._counts[0] += nhit
+            self._counts[1] += n - nhit
+        missed = xp.where(hit, -1, idx)
+        u = xp.unique(xp.concatenate([xp.full(1, -1, np.int64), missed]))  # u[0] == -1
+        m = int(u.size) - 1
+        if m == 0:
+            return slot
+        miss = u[1:]
+        ms = self._set_of(miss)
+        order = xp.argsort(ms * m + xp.arange(m, dtype=np.int64))  # by set, then row: distinct keys
+        ss, su = ms[order], miss[order]
+        k = xp.arange(m, dtype=np.int64) - xp.searchsorted(ss, ss, side="left")  # rank of a miss in its set
+        at = (ss * W)[:, None] + ways
+        age = self._stamp[at].astype(np.int64) * W + ways  # oldest first, then lowest way
+        oldest = xp.argsort(age, axis=1)
+        way = xp.take_along_axis(oldest, xp.minimum(k, W - 1)[:, None], axis=1)[:, 0]
+        victim = ss * W + way
+        ok = (k < W) & (self._stamp[victim] < lock)
+        take = xp.flatnonzero(ok)
+        slot_of = xp.full(m + 1, -1, np.int64)  # by position in u
+        if take.size:
+            self._admit(su[take], victim[take], now)
+            slot_of[order[take] + 1] = victim[take]
+            if stage:
+                self._generation += 1
+        left = m - int(take.size)
+        if left and not stage:
+            return None
+        if left:
+            rest = xp.flatnonzero(slot_of[1:] < 0)
+            slot_of[rest + 1] = S + self._stage(miss[rest])
+        return xp.where(hit, slot, slot_of[xp.searchsorted(u, missed)])
+
+    def _admit(self, rows: Any, slots: Any, now: int) -> None:
+        """Put ``rows`` into ``slots``: evicted dirty rows written back first, then the new rows
+        (and Adagrad's accumulator) read from the host."""
+        xp = self.backend.xp
+        old = self._tags[slots]
+        back = xp.flatnonzero((old >= 0) & self._dirty[slots])
+        if back.size:
+            self._to_host(old[back], slots[back])
+            self.rows_written_back += int(back.size)
+            self.manager.account(self.manager.fast, self.manager.slow, int(back.size) * self._rowbytes, 0.0)
+        self._W[slots] = self._hbase[rows]
+        if self._dstate is not None:
+            self._dstate[slots] = self._hstate_dev[rows]
+        self._tags[slots] = rows
+        self._stamp[slots] = now
+        self._dirty[slots] = False
+        self._counts[2] += rows.size
+        self.manager.account(self.manager.slow, self.manager.fast, int(rows.size) * self._rowbytes, 0.0)
+
+    def _to_host(self, rows: Any, slots: Any) -> None:
+        """Write the device copies at ``slots`` back to base rows ``rows`` (Adagrad's too)."""
+        self._hbase[rows] = self._W[slots]
+        if self._dstate is not None:
+            self._hstate_dev[rows] = self._dstate[slots]
+
+    def _stage(self, rows: Any) -> Any:
+        """Read the distinct ``rows`` into the staging area; their staging positions."""
+        n = int(rows.size)
+        self._grow_staging(n)
+        at = slice(self._nslots, self._nslots + n)
+        self._W[at] = self._hbase[rows]
+        if self._dstate is not None:
+            self._dstate[at] = self._hstate_dev[rows]
+        self._staged = rows
+        self._generation += 1
+        self.manager.account(self.manager.slow, self.manager.fast, n * self._rowbytes, 0.0)
+        return self.backend.xp.arange(n, dtype=np.int64)
+
+    def _grow_staging(self, n: int) -> None:
+        """Room for ``n`` staged rows (the staging area is empty when this is called): a new
+        array, the cached rows going through the host so that two never hold HBM together."""
+        S = self._nslots
+        have = self._W.shape[0] - S
+        if n <= have:
+            return
+        be = self.backend
+        new = n + n // 4
+        held = be.to_host(self._W[:S])
+        st = be.to_host(self._dstate[:S]) if self._dstate is not None else None
+        self._hbm.drop(self._W)
+        if st is not None:
+            self._hbm.drop(self._dstate)
+            self._dstate = None
+        try:
+            self._W = self._hbm.new((S + new, held.shape[1]))
+            refused = False
+        except MemoryError:
+            self._W = self._hbm.new((S + have, held.shape[1]))  # as before, so the table stays usable
+            refused = True
+        self._W[:S] = be.asarray(held)
+        if st is not None:
+            self._dstate = self._hbm.new((self._W.shape[0],), np.float32)
+            self._dstate[:S] = be.asarray(st)
+        self._generation += 1
+        if refused:
+            raise MemoryError(f"{self.name}: a batch needs {n} staging rows beside the {S}-slot cache, more than "
+                              f"{self.manager.fast.name} has room for; raise its capacity (--fast-budget) or lower "
+                              f"the cache fraction")
+
+    def _finish_staging(self) -> None:
+        """Write updated staged rows back to the base table and empty the staging area."""
+        n = int(self._staged.size)
+        if n == 0:
+            return
+        if self._staged_dirty:
+            S = self._nslots
+            self._to_host(self._staged, self.backend.xp.arange(S, S + n, dtype=np.int64))
+            self.manager.account(self.manager.fast, self.manager.slow, n * self._rowbytes, 0.0)
+        self._staged = self._staged[:0]
+        self._staged_dirty = False
+        self._generation += 1
+
+    def updated(self) -> None:
+        """Note that the batch resolved last was updated: its slots are dirty."""
+        if self._last is not None and self._last.size:
+            self._dirty[self.backend.xp.minimum(self._last, self._nslots)] = True
+        self._staged_dirty = self._staged.size > 0
+
+    # ------------------------------------------------------------------ optimizer state
+    def device_state(self, optimizer: Any) -> Any:
+        """The device accumulator of row-wise Adagrad, by slot (None for SGD): filled from the
+        optimizer's host accumulator, which holds the rows that are not on the device."""
+        if not isinstance(optimizer, RowwiseAdagrad):
+            return None
+        if self._opt is optimizer:
+            return self._dstate
+        self._state_down()
+        if self._dstate is not None:
+            self._hbm.drop(self._dstate)
+        self._hstate = optimizer.state(self)
+        self._hstate_dev = self._map(self._hstate)
+        self._dstate = self._hbm.new((self._W.shape[0],), np.float32)
+        live = self.backend.xp.flatnonzero(self._tags >= 0)
+        if live.size:
+            self._dstate[live] = self._hstate_dev[self._tags[live]]
+        n = int(self._staged.size)
+        if n:
+            self._dstate[self._nslots:self._nslots + n] = self._hstate_dev[self._staged]
+        self._opt = optimizer
+        return self._dstate
+
+    def _state_down(self) -> None:
+        """Copy the device accumulator of every cached and updated staged row to the host one."""
+        if self._dstate is None:
+            return
+        xp = self.backend.xp
+        live = xp.flatnonzero(self._tags >= 0)
+        if live.size:
+            self._hstate_dev[self._tags[live]] = self._dstate[live]
+        n = int(self._staged.size)
+        if n and self._staged_dirty:
+            self._hstate_dev[self._staged] = self._dstate[self._nslots:self._nslots + n]
+        self.backend.sync()
+
+    # ------------------------------------------------------------------ whole-cache operations
+    @property
+    def counts(self) -> np.ndarray:
+        """Hits, misses, rows admitted (read from the device)."""
+        return self.backend.to_host(self._counts)
+
+    @property
+    def cached_rows(self) -> int:
+        return int((self._tags >= 0).sum())
+
+    def isfull(self) -> bool:
+        return self.cached_rows == self._nslots
+
+    def writeback(self) -> None:
+        """Write every updated cached and staged row back to the base table and keep it cached
+        (e.g. before a checkpoint); Adagrad's accumulator too. The base table is current when
+        this returns."""
+        self._check_open()
+        self._finish_staging()
+        xp = self.backend.xp
+        d = xp.flatnonzero((self._tags >= 0) & self._dirty[:self._nslots])
+        if d.size:
+            self._hbase[self._tags[d]] = self._W[d]
+            self.rows_written_back += int(d.size)
+            self.manager.account(self.manager.fast, self.manager.slow, int(d.size) * self._rowbytes, 0.0)
+        self._dirty.fill(False)
+        self._state_down()
+        self.backend.sync()
+
+    def flush_dirty(self, target: int | None = None) -> None:
+        """Write every updated row back and empty the cache (``target``: accepted for the
+        cached-table API; this cache empties fully)."""
+        self.writeback()
+        self._drop_all()
+
+    def flush_clean(self, target: int | None = None) -> None:
+        """Empty the cache without writing anything back (the base table is current)."""
+        self._check_open()
+        self._finish_staging()
+        self._drop_all()
+
+    def _drop_all(self) -> None:
+        self._tags.fill(-1)
+        self._stamp.fill(0)
+        self._dirty.fill(False)
+        self._ahead = self._memo = None
+        self._generation += 1
+
+    def invalidate(self) -> None:
+        """Drop every cached and staged row without writing it back, after the base table (and
+        the optimizer's host state) were replaced, e.g. by loading a checkpoint."""
+        self._check_open()
+        self._staged, self._staged_dirty = self._staged[:0], False
+        if self._dstate is not None:
+            self._hbm.drop(self._dstate)
+        self._opt = self._hstate = self._dstate = None
+        self._drop_all()
+
+    def close(self) -> None:
+        """Write everything back, then free the device arrays and undo host mappings."""
+        if not self._pins:
+            return
+        if getattr(self, "_hbase", None) is not None:
+            self.writeback()
+        self._hbm.close()
+        for h in getattr(self, "_handles", []):
+            self.backend.unmap(h)
+        self._handles = []
+        views, self._pins = self._pins, []
+        for v in views:
+            v.release()
+        self._W = self._dstate = self._hbase = None
+        self._memo = self._ahead = None
+
+    def _check_open(self) -> None:
+        if not self._pins:
+            raise RuntimeError(f"{self.name}: table is closed")
+
+    # ------------------------------------------------------------------ reporting and checking
+    def telemetry(self) -> dict:
+        hits, misses, admitted = (int(c) for c in self.counts)
+        return {
+            "table": self.name, "policy": self.policy, "hits": hits, "misses": misses,
+            "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+            "rows_cached": admitted, "rows_written_back": self.rows_written_back,
+            "bytes_slow_to_fast": admitted * self._rowbytes,
+            "bytes_fast_to_slow": self.rows_written_back * self._rowbytes,
+            "cached_rows_now": self.cached_rows, "sets": self.sets, "ways": self.ways,
+        }
+
+    def hitrate(self) -> float:
+        return self.telemetry()["hit_rate"]
+
+    def reset_counters(self) -> None:
+        self._counts.fill(0)
+
+    def check(self) -> None:
+        """Every tag a row of the table, in its own set, at most once; dirty bits and stamps
+        only where they can be; staged rows not cached."""
+        be, name = self.backend, self.name
+        tags = be.to_host(self._tags)
+        stamp = be.to_host(self._stamp)[:self._nslots]
+        dirty = be.to_host(self._dirty)[:self._nslots]
+        live = tags >= 0
+        rows = tags[live]
+        if np.any(tags < -1) or np.any(rows >= self.nvectors()):
+            raise InvariantError(f"{name}: tags outside the table: {tags[(tags < -1) | (tags >= self.nvectors())][:5]}")
+        uniq, n = np.unique(rows, return_counts=True)
+        if np.any(n > 1):
+            raise InvariantError(f"{name}: rows {uniq[n > 1][:5]} are cached in more than one slot")
+        home = self._set_of(rows)
+        if np.any(home != np.flatnonzero(live) // self.ways):
+            raise InvariantError(f"{name}: rows {rows[home != np.flatnonzero(live) // self.ways][:5]} sit outside "
+                                 f"their set")
+        if np.any(dirty & ~live):
+            raise InvariantError(f"{name}: free slots {np.flatnonzero(dirty & ~live)[:5]} are marked dirty")
+        if np.any(stamp > self._clock) or np.any(stamp < 0):
+            raise InvariantError(f"{name}: stamps beyond the clock ({self._clock})")
+        staged = be.to_host(self._staged)
+        if np.intersect1d(staged, rows).size:
+            raise InvariantError(f"{name}: rows {np.intersect1d(staged, rows)[:5]} are both cached and staged")
+        if self._staged_dirty and staged.size == 0:
+            raise InvariantError(f"{name}: staged rows marked updated but none staged")
+
+    def __repr__(self) -> str:
+        return (f"LRUCachedEmbeddings({self.name!r}, nvectors={self.nvectors()}, featuresize={self.featuresize()}, "
+                f"{self.sets} sets x {self.ways} ways)")
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a is b or (a.shape == b.shape and np.array_equal(a, b))

@@ -1,0 +1,319 @@
+"""The set-associative GPU cache (embeddings.gpu.lru): on a manager without a GPU its "device" is
+numpy (the reference backend), which runs every line of its logic on CI; the same checks run
+against CuPy on a GPU manager where a GPU exists.
+
+The reference for every lookup and update is the uncached GPU path over a plain table on the
+same backend: resolving indices to slots must not change a single bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+import embeddings as E
+from cachedarrays import readable
+from cachedarrays.devices import gpu as gpu_device
+from cachedarrays.errors import InvariantError
+from embeddings.gpu.cached import prefetch
+from embeddings.gpu.lru import LRUCachedEmbeddings
+
+from test_gpu_cached import Reference, _as_np, base_rows, gpu_manager, host_manager, zipf_batch
+
+N, F = 400, 8
+
+
+def _host(x) -> np.ndarray:
+    return _as_np(x)
+
+
+def contents(t: LRUCachedEmbeddings) -> np.ndarray:
+    """The table as a reader sees it, without side effects: base rows, every cached row from its
+    slot, updated staged rows from the staging area."""
+    with readable(t.base_array) as v:
+        out = np.array(v)
+    W, tags = _host(t._W), _host(t._tags)
+    live = np.flatnonzero(tags >= 0)
+    out[tags[live]] = W[live]
+    if t._staged_dirty:
+        staged = _host(t._staged)
+        out[staged] = W[t._nslots:t._nslots + staged.size]
+    return out
+
+
+def make(W0, m, **kw) -> LRUCachedEmbeddings:
+    return LRUCachedEmbeddings(W0.copy(), m, **kw)
+
+
+@pytest.mark.parametrize("ways,rows,staging", [(1, 40, 1), (4, 40, 2), (16, 64, 4096), (4, 400, 8)])
+@pytest.mark.parametrize("opt", ["sgd", "adagrad"])
+def test_lookups_and_updates_equal_the_uncached_table_bit_for_bit(ways, rows, staging, opt):
+    rng = np.random.default_rng(ways * 7 + rows)
+    W0 = rng.standard_normal((N, F)).astype(np.float32)
+    m = host_manager()
+    t = make(W0, m, cache_rows=rows, ways=ways, staging_rows=staging)
+    ref = Reference(W0)
+    mk = (lambda: E.SGD(0.1)) if opt == "sgd" else (lambda: E.RowwiseAdagrad(0.1))
+    ours, theirs = mk(), mk()
+    nxt = zipf_batch(rng, 16, 5)
+    for step in range(15):
+        idx, nxt = nxt, zipf_batch(rng, 16, 5)
+        mode = ("sum", "mean")[step % 2]
+        assert np.array_equal(_host(E.lookup(t, idx, mode=mode)), ref.lookup(idx, mode=mode)), step
+        if step % 3:
+            prefetch(t, nxt.ravel())
+        g = rng.standard_normal((16, F)).astype(np.float32)
+        E.pullback(t, g, idx, mode=mode, optimizer=ours)
+        ref.pullback(g, idx, mode=mode, optimizer=theirs)
+        t.check()
+        assert np.array_equal(contents(t), ref.W)
+    t.writeback()
+    assert np.array_equal(base_rows(t), ref.W)
+    if opt == "adagrad":
+        assert np.array_equal(ours.state(t), ref.state)
+    t.close()
+    m.check()
+
+
+def test_the_least_recently_used_way_of_a_set_goes_first_and_dirty_rows_go_back():
+    W0 = np.arange(N * F, dtype=np.float32).reshape(N, F)
+    m = host_manager()
+    t = make(W0, m, cache_rows=2, ways=2)  # one set of two ways: every row competes
+    opt = E.SGD(1.0)
+    E.lookup(t, np.array([[5]]))
+    E.lookup(t, np.array([[7]]))
+    E.pullback(t, np.ones((1, F), np.float32), np.array([[5]]), optimizer=opt)  # 5 used last, and dirty
+    assert sorted(_host(t._tags).tolist()) == [5, 7]
+    E.lookup(t, np.array([[9]]))  # evicts 7 (least recently used, clean: nothing written)
+    assert sorted(_host(t._tags).tolist()) == [5, 9]
+    assert t.rows_written_back == 0
+    E.lookup(t, np.array([[11]]))  # evicts 5, whose update goes back to the base table
+    assert sorted(_host(t._tags).tolist()) == [9, 11]
+    assert t.rows_written_back == 1
+    assert np.array_equal(base_rows(t)[5], W0[5] - 1)
+    hits, misses, admitted = t.counts
+    assert (hits, misses, admitted) == (1, 4, 4)  # the update's resolution reused the lookup of 5
+    t.check()
+    t.close()
+
+
+def test_a_set_whose_ways_the_batch_fills_stages_the_rest_and_writes_their_updates_back():
+    W0 = np.random.default_rng(3).standard_normal((N, F)).astype(np.float32)
+    m = host_manager()
+    t = make(W0, m, cache_rows=2, ways=2, staging_rows=1)  # one set, a one-row staging area
+    ref = Reference(W0)
+    idx = np.array([[1, 2, 3, 4, 5]])
+    assert np.array_equal(_host(E.lookup(t, idx, mode="sum")), ref.lookup(idx, mode="sum"))
+    assert _host(t._staged).size == 3 and t._W.shape[0] >= 2 + 3  # the staging area grew
+    g = np.ones((1, F), np.float32)
+    E.pullback(t, g, idx, mode="sum", optimizer=E.SGD(0.5))
+    ref.pullback(g, idx, mode="sum", optimizer=E.SGD(0.5))
+    assert np.array_equal(contents(t), ref.W)
+    E.lookup(t, np.array([[6]]))  # the next batch writes the staged updates back first
+    assert _host(t._staged).size == 0
+    t.writeback()
+    assert np.array_equal(base_rows(t), ref.W)
+    t.check()
+    t.close()
+
+
+def test_prefetch_never_moves_the_rows_of_the_batch_in_flight_and_counts_the_next_batch_once():
+    W0 = np.random.default_rng(4).standard_normal((N, F)).astype(np.float32)
+    m = host_manager()
+    t = make(W0, m, cache_rows=8, ways=4)
+    cur, nxt = np.array([[1, 2, 3, 4]]), np.array([[10, 11, 12, 13]])
+    E.lookup(t, cur)
+    slots_before = {r: s for s, r in enumerate(_host(t._tags)) if r >= 0}
+    assert prefetch(t, nxt.ravel()) in (True, False)
+    tags = _host(t._tags)
+    for r in (1, 2, 3, 4):  # still where the lookup found them: its update lands on them
+        assert tags[slots_before[r]] == r
+    t.reset_counters()
+    assert prefetch(t, np.array([20, 21])) in (True, False)
+    E.lookup(t, np.array([[20, 21]]))
+    hits, misses, _ = t.counts
+    assert hits + misses == 2  # counted by the prefetch, not again by the lookup
+    t.check()
+    t.close()
+
+
+def test_prefetch_waits_while_the_current_batch_has_staged_rows():
+    W0 = np.random.default_rng(5).standard_normal((N, F)).astype(np.float32)
+    m = host_manager()
+    t = make(W0, m, cache_rows=1, ways=1)
+    E.lookup(t, np.array([[1, 2]]))  # one way: row 2 is staged
+    assert _host(t._staged).size == 1
+    assert prefetch(t, np.array([3])) is False
+    assert 3 not in _host(t._tags)
+    t.close()
+
+
+def test_bad_input_raises_the_cpu_error_and_changes_nothing():
+    W0 = np.random.default_rng(6).standard_normal((N, F)).astype(np.float32)
+    m = host_manager()
+    t = make(W0, m, cache_rows=16, ways=4)
+    E.lookup(t, np.array([[1, 2, 3]]))
+    before, tags = contents(t), _host(t._tags).copy()
+    with pytest.raises(IndexError, match=r"table: index 400 at position \(0, 1\) is out of range"):
+        E.lookup(t, np.array([[5, 400]]))
+    with pytest.raises(IndexError):
+        prefetch(t, np.array([-1]))
+    with pytest.raises(ValueError, match="gradient shape"):
+        E.pullback(t, np.ones((2, F), np.float32), np.array([[1, 2]]), optimizer=E.SGD(0.1))
+    with pytest.raises(FloatingPointError, match="non-finite gradient"):
+        E.pullback(t, np.full((1, F), np.nan, np.float32), np.array([[1, 2]]), optimizer=E.SGD(0.1))
+    assert np.array_equal(contents(t), before) and np.array_equal(_host(t._tags), tags)
+    t.check()
+    with pytest.raises(ValueError, match="cache of 0 rows"):
+        make(W0, m, cache_rows=0)
+    with pytest.raises(ValueError, match="ways must be at least 1"):
+        make(W0, m, ways=0)
+    with pytest.raises(TypeError, match="float32"):
+        make(W0.astype(np.float64), m)
+    t.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        E.lookup(t, np.array([[1]]))
+    m.check()
+
+
+def test_check_finds_a_row_outside_its_set_and_a_row_cached_twice():
+    W0 = np.random.default_rng(7).standard_normal((N, F)).astype(np.float32)
+    m = host_manager()
+    t = make(W0, m, cache_rows=32, ways=4)
+    E.lookup(t, np.array([[1, 2, 3]]))
+    t.check()
+    live = np.flatnonzero(t._tags >= 0)
+    row = int(t._tags[live[0]])
+    other = (live[0] // 4 + 1) % t.sets * 4 + 3  # a way of another set
+    saved = t._tags[other]
+    t._tags[other] = row
+    with pytest.raises(InvariantError, match="more than one slot|outside"):
+        t.check()
+    t._tags[other] = saved
+    t.check()
+    t.close()
+
+
+def test_an_ensemble_and_the_flushes_and_invalidate():
+    rng = np.random.default_rng(8)
+    Ws = [rng.standard_normal((N, F)).astype(np.float32) for _ in range(2)]
+    m = host_manager()
+    ts = [make(W, m, cache_rows=20, ways=4, name=f"t{i}") for i, W in enumerate(Ws)]
+    refs = [Reference(W) for W in Ws]
+    ens = E.Ensemble(ts)
+    idx = [zipf_batch(rng, 8, 3) for _ in ts]
+    got = _host(ens.lookup(idx))
+    for i, r in enumerate(refs):
+        assert np.array_equal(got[:, i], r.lookup(idx[i]))
+    g = rng.standard_normal(got.shape).astype(np.float32)
+    ens.pullback(g, idx, optimizer=E.SGD(0.1))
+    for i, r in enumerate(refs):
+        r.pullback(g[:, i], idx[i], optimizer=E.SGD(0.1))
+    ts[0].flush_dirty()
+    assert ts[0].cached_rows == 0 and np.array_equal(base_rows(ts[0]), refs[0].W)
+    ts[1].writeback()
+    ts[1].flush_clean()
+    assert ts[1].cached_rows == 0 and np.array_equal(base_rows(ts[1]), refs[1].W)
+    E.lookup(ts[0], idx[0])
+    with readable(ts[0].base_array) as v:
+        pass
+    from cachedarrays import writable
+    with writable(ts[0].base_array) as v:
+        v[...] = 0
+    ts[0].invalidate()
+    assert ts[0].cached_rows == 0
+    assert np.all(_host(E.lookup(ts[0], idx[0])) == 0)
+    for t in ts:
+        t.check()
+        t.close()
+    m.check()
+
+
+class LRUMachine(RuleBasedStateMachine):
+    """Random lookups, updates, prefetches, flushes and write-backs on a set-associative cached
+    table, mirrored on a plain table; ``check()`` and the full contents after every step."""
+
+    @initialize(rows=st.integers(1, 60), ways=st.integers(1, 8), staging=st.integers(1, 6), adagrad=st.booleans())
+    def setup(self, rows, ways, staging, adagrad):
+        self.rng = np.random.default_rng(rows * 31 + ways)
+        W0 = self.rng.standard_normal((120, 4)).astype(np.float32)
+        self.m = host_manager()
+        self.t = LRUCachedEmbeddings(W0.copy(), self.m, cache_rows=rows, ways=ways, staging_rows=staging)
+        self.ref = Reference(W0)
+        self.opt = E.RowwiseAdagrad(0.2) if adagrad else E.SGD(0.2)
+        self.opt_ref = E.RowwiseAdagrad(0.2) if adagrad else E.SGD(0.2)
+
+    @rule(n=st.integers(0, 60), k=st.integers(1, 3), update=st.booleans())
+    def batch(self, n, k, update):
+        idx = ((self.rng.zipf(1.2, (n, k)) - 1) % 120).astype(np.int64)
+        assert np.array_equal(E.lookup(self.t, idx), self.ref.lookup(idx))
+        if update:
+            g = self.rng.standard_normal((n, 4)).astype(np.float32)
+            E.pullback(self.t, g, idx, optimizer=self.opt)
+            self.ref.pullback(g, idx, optimizer=self.opt_ref)
+
+    @rule(n=st.integers(0, 60))
+    def prefetch_next(self, n):
+        prefetch(self.t, self.rng.integers(0, 120, n))
+
+    @rule(dirty=st.booleans())
+    def flush(self, dirty):
+        if dirty:
+            self.t.flush_dirty()
+        else:
+            self.t.writeback()
+            self.t.flush_clean()
+        assert self.t.cached_rows == 0
+
+    @rule()
+    def writeback(self):
+        self.t.writeback()
+        assert np.array_equal(base_rows(self.t), self.ref.W)
+
+    @invariant()
+    def consistent(self):
+        self.t.check()
+        assert np.array_equal(contents(self.t), self.ref.W)
+
+    def teardown(self):
+        self.t.close()
+        assert np.array_equal(base_rows(self.t), self.ref.W)
+        self.m.check()
+
+
+TestLRUMachine = LRUMachine.TestCase
+TestLRUMachine.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
+@pytest.mark.parametrize("opt", ["sgd", "adagrad"])
+def test_gpu_lru_table_equals_the_uncached_gpu_table_bit_for_bit(opt):
+    import jax
+    from embeddings.gpu.backend import cuda_backend
+    rng = np.random.default_rng(12)
+    n, F_ = 20000, 64
+    W0 = rng.standard_normal((n, F_)).astype(np.float32)
+    with gpu_manager() as m:
+        t = LRUCachedEmbeddings(W0, m, cache_fraction=0.05, staging_rows=64, name="emb")
+        ref = Reference(W0, cuda_backend())
+        mk = (lambda: E.SGD(0.1)) if opt == "sgd" else (lambda: E.RowwiseAdagrad(0.1))
+        ours, theirs = mk(), mk()
+        nxt = zipf_batch(rng, 512, 20, n)
+        for step in range(30):
+            idx, nxt = nxt, zipf_batch(rng, 512, 20, n)
+            got = E.lookup(t, idx)
+            assert isinstance(got, jax.Array) and got.devices().pop().platform == "gpu"
+            assert np.array_equal(np.asarray(got), ref.lookup(idx).get()), step
+            prefetch(t, nxt.ravel())
+            g = rng.standard_normal((512, F_)).astype(np.float32)
+            E.pullback(t, g, idx, optimizer=ours)
+            ref.pullback(g, idx, optimizer=theirs)
+            t.check()
+        assert np.array_equal(contents(t), ref.W.get())
+        t.close()
+        assert np.array_equal(base_rows(t), ref.W.get())
+        assert t.telemetry()["hit_rate"] > 0.5
+        m.check()
