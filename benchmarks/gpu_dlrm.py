@@ -149,10 +149,11 @@ def h2d_bandwidth(cp, nbytes: int) -> float:
 
 
 # ------------------------------------------------------------------ trainers
-def ours_trainer(model, batches):
-    """A step function over ``batches`` (cycled) that prefetches the next batch, as dlrm.train does."""
+def ours_trainer(model, batches, start: int = 0):
+    """A step function over ``batches`` from ``start`` (cycled) that prefetches the next batch,
+    as dlrm.train does."""
     n = len(batches)
-    return lambda j: model.train_step(batches[j % n], batches[(j + 1) % n])
+    return lambda j: model.train_step(batches[(start + j) % n], batches[(start + j + 1) % n])
 
 
 class TorchHostTables:
@@ -229,9 +230,11 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
           f"{args.budget}% = {budget / 1e9:.2f} GB -> cache fraction {cf:.4f} ({args.policy}); batch {B}, {k} per bag; "
           f"in-HBM model: {T} x {small} rows", flush=True)
     t0 = time.perf_counter()
-    nsteps = args.steps
+    # a cache must not see a batch twice: the timed steps follow the warm-up on fresh batches
+    nsteps = max(args.steps, args.warm_steps + args.rounds * args.per_round + 2)
     big_b, small_b = make_batches(nsteps, T, n, small, B, k, seed=1)
-    print(f"  index stream: {nsteps} batches in {time.perf_counter() - t0:.1f} s", flush=True)
+    print(f"  index stream: {nsteps} batches in {time.perf_counter() - t0:.1f} s (ours never sees one twice)",
+          flush=True)
     res: dict = {"tables": T, "rows": n, "F": F, "batch": B, "lookups": k, "budget_pct": args.budget,
                  "budget_bytes": budget, "cache_fraction": cf, "policy": args.policy, "small_rows": small}
     contenders = {}
@@ -269,15 +272,15 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
         reset_counters(t)
     m.reset_telemetry()
     ours.timer.reset()
-    contenders["ours"] = (ours_trainer(ours, big_b), args.per_round, B)
+    contenders["ours"] = (ours_trainer(ours, big_b, args.warm_steps), args.per_round, B)
     print(f"  ours ready in {time.perf_counter() - t1:.1f} s ({args.warm_steps} warm-up steps)", flush=True)
 
     # PyTorch without FBGEMM, over the same host tables
     from dlrm.dense import init_dense
     th = TorchHostTables([np.asarray(v.array) for v in views], init_dense(cfg, 0), args.lr)
-    tbs = [th.convert(b) for b in big_b]
+    tbs = [th.convert(b) for b in big_b[:args.rounds * args.torch_per_round + 1]]
     th.step(tbs[0])
-    contenders["torch CPU tables"] = (lambda j: th.step(tbs[j % nsteps]), args.torch_per_round, B)
+    contenders["torch CPU tables"] = (lambda j: th.step(tbs[j % len(tbs)]), args.torch_per_round, B)
 
     counted = {"ours": 0}
     step = contenders["ours"][0]
@@ -386,8 +389,10 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=16384, help="part 1: batch size")
     p.add_argument("--lookups", type=int, default=20, help="part 1: lookups per bag")
     p.add_argument("--shrink", type=int, default=10, help="part 1: the in-HBM tables have rows / SHRINK rows")
-    p.add_argument("--steps", type=int, default=24, help="part 1: distinct batches (cycled)")
-    p.add_argument("--warm-steps", type=int, default=8, help="part 1: untimed steps of ours before timing")
+    p.add_argument("--steps", type=int, default=0,
+                   help="part 1: distinct batches (at least enough that ours never sees one twice)")
+    p.add_argument("--warm-steps", type=int, default=100,
+                   help="part 1: untimed steps of ours before timing (enough for the cache to fill and churn)")
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds (medians reported)")
     p.add_argument("--per-round", type=int, default=6, help="steps per round and trainer")
     p.add_argument("--torch-per-round", type=int, default=1, help="part 1: steps per round of the torch CPU baseline")

@@ -317,3 +317,53 @@ def test_gpu_lru_table_equals_the_uncached_gpu_table_bit_for_bit(opt):
         assert np.array_equal(base_rows(t), ref.W.get())
         assert t.telemetry()["hit_rate"] > 0.5
         m.check()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
+def test_the_cuda_kernels_do_what_their_numpy_forms_do():
+    import cupy as cp
+    from embeddings.gpu import lru_kernels as LK
+    rng = np.random.default_rng(13)
+    sets, ways, n, F_ = 50, 4, 3000, 8
+    tags = np.full(sets * ways, -1, np.int64)
+    rows = rng.permutation(10_000)[:120]
+    for r in rows:  # a valid cache: each row in a free way of its own set
+        s = int(LK.set_of(np.array([r]), sets)[0])
+        free = np.flatnonzero(tags[s * ways:(s + 1) * ways] < 0)
+        if free.size:
+            tags[s * ways + free[0]] = r
+    stamp = np.append(rng.integers(0, 5, sets * ways), 0).astype(np.int32)
+    idx = np.where(rng.random(n) < 0.5, rng.choice(rows, n), rng.integers(0, 10_000, n)).astype(np.int64)
+    for a, b in zip(LK.probe(idx, tags, stamp.copy(), sets, ways, 9),
+                    LK.probe(cp.asarray(idx), cp.asarray(tags), cp.asarray(stamp), sets, ways, 9)):
+        np.testing.assert_array_equal(a, b.get())
+    st_h, st_d = stamp.copy(), cp.asarray(stamp)
+    LK.probe(idx, tags, st_h, sets, ways, 9)
+    LK.probe(cp.asarray(idx), cp.asarray(tags), st_d, sets, ways, 9)
+    np.testing.assert_array_equal(st_h, st_d.get())
+    ss = np.sort(rng.integers(0, sets, 400)).astype(np.int64)
+    rank = np.arange(400) - np.searchsorted(ss, ss, side="left")
+    want = LK.victims(ss, rank, st_h, ways, 8)
+    np.testing.assert_array_equal(want, LK.victims(cp.asarray(ss), cp.asarray(rank), st_d, ways, 8).get())
+    # swap + settle + copy_rows on rows and on a per-row accumulator, against numpy
+    victim = want  # distinct slots: distinct ranks of a set pick distinct ways
+    new_rows = rng.permutation(np.setdiff1d(np.arange(10_000), tags))[:400].astype(np.int64)
+    dirty = np.append(rng.random(sets * ways) < 0.5, False)
+    for shape in ((sets * ways + 1, F_), (sets * ways + 1,)):
+        dev = rng.standard_normal(shape).astype(np.float32)
+        home = rng.standard_normal((10_000,) + shape[1:]).astype(np.float32)
+        d_dev, d_home = cp.asarray(dev), cp.asarray(home)
+        LK.swap(dev, home, new_rows, victim, tags, dirty)
+        LK.swap(d_dev, d_home, cp.asarray(new_rows), cp.asarray(victim), cp.asarray(tags), cp.asarray(dirty))
+        np.testing.assert_array_equal(dev, d_dev.get())
+        np.testing.assert_array_equal(home, d_home.get())
+        LK.copy_rows(home, new_rows[:50], dev, None, 50, sbase=3)
+        LK.copy_rows(d_home, cp.asarray(new_rows[:50]), d_dev, None, 50, sbase=3)
+        np.testing.assert_array_equal(home, d_home.get())
+    t_h, s_h, k_h, c_h = tags.copy(), st_h.copy(), dirty.copy(), np.zeros(2, np.int64)
+    t_d, s_d, k_d, c_d = cp.asarray(tags), st_d.copy(), cp.asarray(dirty), cp.zeros(2, np.int64)
+    LK.settle(new_rows, victim, t_h, s_h, k_h, 11, c_h)
+    LK.settle(cp.asarray(new_rows), cp.asarray(victim), t_d, s_d, k_d, 11, c_d)
+    for a, b in ((t_h, t_d), (s_h, s_d), (k_h, k_d), (c_h, c_d)):
+        np.testing.assert_array_equal(a, b.get())

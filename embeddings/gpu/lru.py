@@ -45,11 +45,11 @@ from ..protocol import Context, EmbeddingTable, RowSource
 from . import ops
 from .backend import ReferenceBackend, cuda_backend
 from .cached import STAGING_ROWS, host_base, validate_batch
+from . import lru_kernels as LK
 from .hbm import DeviceArrays
 
 WAYS = 16
 SLOT_BYTES = 8 + 4 + 1  # per slot beside its row: tag (int64), stamp (int32), dirty bit (bool)
-_MIX = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: consecutive rows land in distant sets
 
 
 class LRUCachedEmbeddings(EmbeddingTable):
@@ -95,7 +95,8 @@ class LRUCachedEmbeddings(EmbeddingTable):
         self._dirty.fill(False)
         self._rowbytes = F * 4
         xp = self.backend.xp
-        self._counts = xp.zeros(3, np.int64)  # hits, misses, rows admitted (on the device: no sync)
+        self._counts = xp.zeros(4, np.int64)  # hits, misses, rows admitted, evictions written back: on the device
+        self._seen = np.zeros(2, np.int64)  # the last two as last read
         self._mapped, self._handles = {}, []
         self._hbase = self._map(self._base)
         self._clock = 0  # stamps given out so far
@@ -174,99 +175,83 @@ class LRUCachedEmbeddings(EmbeddingTable):
         self._ahead = (flat, self._generation, slots)
         return slots is not None
 
-    def _set_of(self, rows: Any) -> Any:
-        """The set of each row (numpy or device array alike)."""
-        h = rows.astype(np.uint64) * _MIX
-        return ((h >> np.uint64(32)) % np.uint64(self.sets)).astype(np.int64)
-
     def _place(self, idx: Any, stage: bool, count: bool = True) -> Any:
         """Slots for the flat device indices ``idx`` under a new stamp: hits stamped, misses
         admitted into the least recently used unlocked ways of their sets, the rest staged, hits
         and misses counted when ``count``. Without ``stage`` (a prefetch) the ways of the batch
         in flight are locked too, nothing is staged, and None is returned if a row found no way;
         such a placement evicts no row of the batch in flight, so its resolution stays valid."""
-        xp, W, S = self.backend.xp, self.ways, self._nslots
+        xp, S = self.backend.xp, self._nslots
         self._clock += 1
         now = self._clock
-        lock = now if stage else min(self._inflight_stamp, now) or now
+        lock = now if stage else (self._inflight_stamp or now)
         n = int(idx.size)
         if n == 0:
             return xp.empty(0, np.int64)
-        sets = self._set_of(idx)
-        first = sets * W
-        ways = xp.arange(W, dtype=np.int64)
-        match = self._tags[first[:, None] + ways] == idx[:, None]
-        hit = match.any(axis=1)
-        slot = first + match.argmax(axis=1)
-        self._stamp[xp.where(hit, slot, S)] = now
+        slot, missed = LK.probe(idx, self._tags, self._stamp, self.sets, self.ways, now)
         if count:
-            nhit = hit.sum()
-            self._counts[0] += nhit
-            self._counts[1] += n - nhit
-        missed = xp.where(hit, -1, idx)
+            nmiss = (missed >= 0).sum()
+            self._counts[0] += n - nmiss
+            self._counts[1] += nmiss
         u = xp.unique(xp.concatenate([xp.full(1, -1, np.int64), missed]))  # u[0] == -1
         m = int(u.size) - 1
         if m == 0:
             return slot
         miss = u[1:]
-        ms = self._set_of(miss)
+        ms = LK.set_of(miss, self.sets)
         order = xp.argsort(ms * m + xp.arange(m, dtype=np.int64))  # by set, then row: distinct keys
         ss, su = ms[order], miss[order]
-        k = xp.arange(m, dtype=np.int64) - xp.searchsorted(ss, ss, side="left")  # rank of a miss in its set
-        at = (ss * W)[:, None] + ways
-        age = self._stamp[at].astype(np.int64) * W + ways  # oldest first, then lowest way
-        oldest = xp.argsort(age, axis=1)
-        way = xp.take_along_axis(oldest, xp.minimum(k, W - 1)[:, None], axis=1)[:, 0]
-        victim = ss * W + way
-        ok = (k < W) & (self._stamp[victim] < lock)
-        take = xp.flatnonzero(ok)
+        rank = xp.arange(m, dtype=np.int64) - xp.searchsorted(ss, ss, side="left")  # of a miss in its set
+        victim = LK.victims(ss, rank, self._stamp, self.ways, lock)
+        admitted = self._admit(su, victim, now)
         slot_of = xp.full(m + 1, -1, np.int64)  # by position in u
-        if take.size:
-            self._admit(su[take], victim[take], now)
-            slot_of[order[take] + 1] = victim[take]
-            if stage:
-                self._generation += 1
-        left = m - int(take.size)
-        if left and not stage:
+        slot_of[order + 1] = victim
+        if admitted and stage:
+            self._generation += 1
+        if admitted < m and not stage:
             return None
-        if left:
+        if admitted < m:
             rest = xp.flatnonzero(slot_of[1:] < 0)
             slot_of[rest + 1] = S + self._stage(miss[rest])
-        return xp.where(hit, slot, slot_of[xp.searchsorted(u, missed)])
+        return xp.where(slot >= 0, slot, slot_of[xp.searchsorted(u, missed)])
 
-    def _admit(self, rows: Any, slots: Any, now: int) -> None:
-        """Put ``rows`` into ``slots``: evicted dirty rows written back first, then the new rows
-        (and Adagrad's accumulator) read from the host."""
-        xp = self.backend.xp
-        old = self._tags[slots]
-        back = xp.flatnonzero((old >= 0) & self._dirty[slots])
-        if back.size:
-            self._to_host(old[back], slots[back])
-            self.rows_written_back += int(back.size)
-            self.manager.account(self.manager.fast, self.manager.slow, int(back.size) * self._rowbytes, 0.0)
-        self._W[slots] = self._hbase[rows]
+    def _admit(self, rows: Any, victim: Any, now: int) -> int:
+        """Put ``rows[j]`` into slot ``victim[j]`` where that is not -1: the row it held written
+        back first if dirty, then the new row (and Adagrad's accumulator) read from the host.
+        Returns how many rows were admitted."""
+        LK.swap(self._W, self._hbase, rows, victim, self._tags, self._dirty)
         if self._dstate is not None:
-            self._dstate[slots] = self._hstate_dev[rows]
-        self._tags[slots] = rows
-        self._stamp[slots] = now
-        self._dirty[slots] = False
-        self._counts[2] += rows.size
-        self.manager.account(self.manager.slow, self.manager.fast, int(rows.size) * self._rowbytes, 0.0)
+            LK.swap(self._dstate, self._hstate_dev, rows, victim, self._tags, self._dirty)
+        LK.settle(rows, victim, self._tags, self._stamp, self._dirty, now, self._counts[2:])
+        seen = np.array(self.backend.to_host(self._counts[2:]))  # a copy: numpy "device" arrays are host arrays
+        admitted, back = (int(d) for d in seen - self._seen)
+        self._seen = seen
+        self.rows_written_back += back
+        m = self.manager
+        if back:
+            m.account(m.fast, m.slow, back * self._rowbytes, 0.0)
+        if admitted:
+            m.account(m.slow, m.fast, admitted * self._rowbytes, 0.0)
+        return admitted
 
-    def _to_host(self, rows: Any, slots: Any) -> None:
-        """Write the device copies at ``slots`` back to base rows ``rows`` (Adagrad's too)."""
-        self._hbase[rows] = self._W[slots]
-        if self._dstate is not None:
-            self._hstate_dev[rows] = self._dstate[slots]
+    def _copy(self, drow: Any, srow: Any, n: int, down: bool, base: int = 0, state: bool = True) -> None:
+        """Rows (and Adagrad's accumulator when ``state``) between the device arrays and the
+        host: ``down`` copies device rows ``srow`` to host rows ``drow``, else host rows ``srow``
+        to device rows ``drow``; a None index array stands for ``base + arange(n)``."""
+        pairs = [(self._W, self._hbase)]
+        if state and self._dstate is not None:
+            pairs.append((self._dstate, self._hstate_dev))
+        for dev, home in pairs:
+            if down:
+                LK.copy_rows(home, drow, dev, srow, n, sbase=base)
+            else:
+                LK.copy_rows(dev, drow, home, srow, n, dbase=base)
 
     def _stage(self, rows: Any) -> Any:
         """Read the distinct ``rows`` into the staging area; their staging positions."""
         n = int(rows.size)
         self._grow_staging(n)
-        at = slice(self._nslots, self._nslots + n)
-        self._W[at] = self._hbase[rows]
-        if self._dstate is not None:
-            self._dstate[at] = self._hstate_dev[rows]
+        self._copy(None, rows, n, down=False, base=self._nslots)
         self._staged = rows
         self._generation += 1
         self.manager.account(self.manager.slow, self.manager.fast, n * self._rowbytes, 0.0)
@@ -309,8 +294,7 @@ class LRUCachedEmbeddings(EmbeddingTable):
         if n == 0:
             return
         if self._staged_dirty:
-            S = self._nslots
-            self._to_host(self._staged, self.backend.xp.arange(S, S + n, dtype=np.int64))
+            self._copy(self._staged, None, n, down=True, base=self._nslots)
             self.manager.account(self.manager.fast, self.manager.slow, n * self._rowbytes, 0.0)
         self._staged = self._staged[:0]
         self._staged_dirty = False
@@ -337,11 +321,8 @@ class LRUCachedEmbeddings(EmbeddingTable):
         self._hstate_dev = self._map(self._hstate)
         self._dstate = self._hbm.new((self._W.shape[0],), np.float32)
         live = self.backend.xp.flatnonzero(self._tags >= 0)
-        if live.size:
-            self._dstate[live] = self._hstate_dev[self._tags[live]]
-        n = int(self._staged.size)
-        if n:
-            self._dstate[self._nslots:self._nslots + n] = self._hstate_dev[self._staged]
+        LK.copy_rows(self._dstate, live, self._hstate_dev, self._tags[live], int(live.size))
+        LK.copy_rows(self._dstate, None, self._hstate_dev, self._staged, int(self._staged.size), dbase=self._nslots)
         self._opt = optimizer
         return self._dstate
 
@@ -351,18 +332,17 @@ class LRUCachedEmbeddings(EmbeddingTable):
             return
         xp = self.backend.xp
         live = xp.flatnonzero(self._tags >= 0)
-        if live.size:
-            self._hstate_dev[self._tags[live]] = self._dstate[live]
-        n = int(self._staged.size)
-        if n and self._staged_dirty:
-            self._hstate_dev[self._staged] = self._dstate[self._nslots:self._nslots + n]
+        LK.copy_rows(self._hstate_dev, self._tags[live], self._dstate, live, int(live.size))
+        if self._staged_dirty:
+            LK.copy_rows(self._hstate_dev, self._staged, self._dstate, None, int(self._staged.size),
+                         sbase=self._nslots)
         self.backend.sync()
 
     # ------------------------------------------------------------------ whole-cache operations
     @property
     def counts(self) -> np.ndarray:
         """Hits, misses, rows admitted (read from the device)."""
-        return self.backend.to_host(self._counts)
+        return np.array(self.backend.to_host(self._counts[:3]))
 
     @property
     def cached_rows(self) -> int:
@@ -380,7 +360,7 @@ class LRUCachedEmbeddings(EmbeddingTable):
         xp = self.backend.xp
         d = xp.flatnonzero((self._tags >= 0) & self._dirty[:self._nslots])
         if d.size:
-            self._hbase[self._tags[d]] = self._W[d]
+            self._copy(self._tags[d], d, int(d.size), down=True, state=False)
             self.rows_written_back += int(d.size)
             self.manager.account(self.manager.fast, self.manager.slow, int(d.size) * self._rowbytes, 0.0)
         self._dirty.fill(False)
@@ -453,6 +433,7 @@ class LRUCachedEmbeddings(EmbeddingTable):
 
     def reset_counters(self) -> None:
         self._counts.fill(0)
+        self._seen[:] = 0
 
     def check(self) -> None:
         """Every tag a row of the table, in its own set, at most once; dirty bits and stamps
@@ -468,7 +449,7 @@ class LRUCachedEmbeddings(EmbeddingTable):
         uniq, n = np.unique(rows, return_counts=True)
         if np.any(n > 1):
             raise InvariantError(f"{name}: rows {uniq[n > 1][:5]} are cached in more than one slot")
-        home = self._set_of(rows)
+        home = LK.set_of(rows, self.sets)
         if np.any(home != np.flatnonzero(live) // self.ways):
             raise InvariantError(f"{name}: rows {rows[home != np.flatnonzero(live) // self.ways][:5]} sit outside "
                                  f"their set")
