@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cachedarrays import parse_size
+from embeddings.gpu import prefetcher
 from embeddings.gpu.cached import STAGING_ROWS, STATE_BYTES, prefetch
 from embeddings.gpu.lru import SLOT_BYTES, WAYS
 
@@ -95,11 +96,17 @@ def make_manager(capacity: int, host_bytes: int):
     return Manager(GPU(capacity), DRAM(host_bytes), policy=LRUPolicy())
 
 
-def prefetch_next(tables: Sequence[Any], indices: Sequence[Any]) -> None:
+def prefetch_next(tables: Sequence[Any], indices: Sequence[Any]) -> Any:
     """Start bringing the rows of the next batch (``indices[t]``, flat) into every cached GPU
-    table (other tables ignore it)."""
-    for t, idx in zip(tables, indices):
-        prefetch(t, idx)
+    table (other tables ignore it): in the background where a table can (``lru``), so that it
+    overlaps the current batch's dense work and update. Returns what :func:`finish_prefetch`
+    waits for (None: nothing in the background)."""
+    return prefetcher.start(tables, indices, lambda t, idx: prefetch(t, idx))
+
+
+def finish_prefetch(pending: Any) -> None:
+    """Wait for a background prefetch (before the next batch's lookups)."""
+    prefetcher.finish(pending)
 
 
 def cache_fraction_for(budget: int, policy: str, sizes: Sequence[int], featuresize: int) -> float:

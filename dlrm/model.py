@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -126,15 +127,17 @@ class DLRM:
             # stream once the value dies: finish them before it can.
             _sync_cupy()
 
-    def prefetch(self, batch: Batch) -> None:
+    def prefetch(self, batch: Batch) -> Any:
         """On the GPU: start uploading ``batch``'s dense features and labels, and bringing its
-        rows into the cached tables, while the current batch computes."""
+        rows into the cached tables, while the current batch computes. Returns the background
+        part, for :func:`dlrm.gpu.finish_prefetch` (None: none)."""
         if self.device != "gpu":
-            return
+            return None
         self._uploaded = (batch, jax.device_put(batch.dense), jax.device_put(batch.labels))
         if self._per_table:
             from .gpu import prefetch_next
-            prefetch_next(self.tables, [batch.bags(i)[0] for i in range(len(self.tables))])
+            return prefetch_next(self.tables, [batch.bags(i)[0] for i in range(len(self.tables))])
+        return None
 
     def _inputs(self, batch: Batch):
         """``batch``'s dense features and labels, from the upload :meth:`prefetch` started if it did."""
@@ -147,7 +150,8 @@ class DLRM:
 
     def train_step(self, batch: Batch, next_batch: Batch | None = None) -> StepResult:
         """One step on ``batch``; ``next_batch`` (when known) is prefetched while the dense work runs
-        (dispatched before the prefetch, awaited after it)."""
+        (dispatched before the prefetch, awaited after it) and, for tables that prefetch in the
+        background, while the embedding update runs too (joined at the end of the step)."""
         tm = self.timer
         with tm("cache flush"):
             for t in self.tables:
@@ -156,15 +160,20 @@ class DLRM:
         with tm("lookup"):
             emb = self.lookup(batch)
         step = self._grad(self.params, dense, emb, labels)  # dispatched: the GPU runs it during the prefetch
+        pending = None
         if next_batch is not None:
             with tm("prefetch"):
-                self.prefetch(next_batch)
+                pending = self.prefetch(next_batch)
         with tm("dense fwd+bwd"):
             loss, p, g, gemb = jax.block_until_ready(step)
         with tm("embedding update"):
             self._pullback(gemb if self.device == "gpu" else np.asarray(gemb), batch)
         with tm("dense update"):
             self.params = jax.block_until_ready(sgd_update(self.params, g, np.float32(self.lr)))
+        if pending is not None:
+            from .gpu import finish_prefetch
+            with tm("prefetch wait"):
+                finish_prefetch(pending)
         return StepResult(float(loss), np.asarray(p))
 
     def warmup(self, batch: Batch) -> None:

@@ -367,3 +367,38 @@ def test_the_cuda_kernels_do_what_their_numpy_forms_do():
     LK.settle(cp.asarray(new_rows), cp.asarray(victim), t_d, s_d, k_d, 11, c_d)
     for a, b in ((t_h, t_d), (s_h, s_d), (k_h, k_d), (c_h, c_d)):
         np.testing.assert_array_equal(a, b.get())
+
+
+def test_a_background_prefetch_overlapping_the_update_changes_no_result():
+    """The DLRM step's order: lookup, prefetch of the next batch started (validated now, device
+    work on the worker thread), update of the current batch, then the prefetch joined."""
+    from embeddings.gpu import prefetcher
+    rng = np.random.default_rng(9)
+    Ws = [rng.standard_normal((N, F)).astype(np.float32) for _ in range(2)]
+    m = host_manager()
+    ts = [make(W, m, cache_rows=24, ways=4, name=f"t{i}") for i, W in enumerate(Ws)]
+    refs = [Reference(W) for W in Ws]
+    batches = [[zipf_batch(rng, 8, 4) for _ in ts] for _ in range(10)]
+    synchronous = []
+    for j, b in enumerate(batches):
+        for t, r, idx in zip(ts, refs, b):
+            assert np.array_equal(_host(E.lookup(t, idx)), r.lookup(idx))
+        pending = None
+        if j + 1 < len(batches):
+            pending = prefetcher.start(ts, [i.ravel() for i in batches[j + 1]], synchronous.append)
+        for t, r, idx in zip(ts, refs, b):
+            g = rng.standard_normal((8, F)).astype(np.float32)
+            E.pullback(t, g, idx, optimizer=E.SGD(0.1))
+            r.pullback(g, idx, optimizer=E.SGD(0.1))
+        prefetcher.finish(pending)
+        for t, r in zip(ts, refs):
+            t.check()
+            assert np.array_equal(contents(t), r.W)
+    assert synchronous == []  # every table prefetched in the background
+    with pytest.raises(IndexError, match="t1: index 400"):
+        prefetcher.start(ts, [np.array([1]), np.array([400])], synchronous.append)
+    hits, misses, _ = ts[0].counts
+    assert hits + misses == 10 * 8 * 4  # each batch counted once
+    for t in ts:
+        t.close()
+    m.check()

@@ -13,6 +13,7 @@ driver reads them after the next synchronisation, before anything is written.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -74,6 +75,12 @@ class ReferenceBackend:
         return None
 
     def wait(self, fence: Any) -> None:
+        pass
+
+    def stream(self) -> Any:
+        return contextlib.nullcontext()
+
+    def follow(self, fence: Any) -> None:
         pass
 
     def check(self, flags, slot: int, idx, n: int, off, grad) -> None:
@@ -207,6 +214,18 @@ class CudaBackend:
     def wait(self, fence: Any) -> None:
         if fence is not None:
             fence.synchronize()
+
+    def stream(self) -> Any:
+        """A context in which this thread's CuPy work goes to a stream of its own (one per thread)."""
+        st = getattr(self._local, "stream", None)
+        if st is None:
+            st = self._local.stream = self.xp.cuda.Stream(non_blocking=True)
+        return st
+
+    def follow(self, fence: Any) -> None:
+        """Make the current stream wait (on the device, not the host) for ``fence``."""
+        if fence is not None:
+            self.xp.cuda.get_current_stream().wait_event(fence)
 
     def check(self, flags, slot: int, idx, n: int, off, grad) -> None:
         """One kernel over indices, offsets and gradient (any of them None)."""

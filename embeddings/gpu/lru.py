@@ -31,6 +31,7 @@ the base table is its own mapped view), which is what CI tests.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -155,7 +156,7 @@ class LRUCachedEmbeddings(EmbeddingTable):
         counted = ahead is not None and ahead[1] == self._generation and _same(ahead[0], flat)
         slots = ahead[2] if counted else None
         if slots is None:
-            slots = self._place(self.backend.asarray(flat.astype(np.int64, copy=False)), stage=True, count=not counted)
+            slots = self._place(self.backend.asarray(flat).astype(np.int64, copy=False), stage=True, count=not counted)
         self._inflight_stamp = self._clock
         dtype = np.int32 if self._W.shape[0] < 2 ** 31 else np.int64
         dbags = ops.upload_bags(self.backend, bags, offsets is not None, slots.astype(dtype, copy=False))
@@ -167,13 +168,22 @@ class LRUCachedEmbeddings(EmbeddingTable):
         """Resolve ``indices`` (the next batch) now, while the current batch computes; whether
         every row found a slot (then the lookup of the same indices reuses them). Counts the
         batch's hits and misses (its lookup then does not)."""
-        self._check_open()
+        return self.prefetch_work(indices)()
+
+    def prefetch_work(self, indices: Any) -> Callable[[], bool]:
+        """:meth:`prefetch` in two parts: the batch is validated now (errors raise here), and the
+        returned function does the device work. It may run on another thread with its own
+        stream, concurrently with the update of the batch in flight (whose slots it never
+        touches), but before the next lookup of this table."""
+        flat = self.validate(indices, None, None, None).indices
         if self._staged.size:
-            return False
-        flat = self.validate(indices, None, None, None).indices.astype(np.int64, copy=False)
-        slots = self._place(self.backend.asarray(flat), stage=False)
-        self._ahead = (flat, self._generation, slots)
-        return slots is not None
+            return lambda: False
+
+        def work() -> bool:
+            slots = self._place(self.backend.asarray(flat).astype(np.int64, copy=False), stage=False)
+            self._ahead = (flat, self._generation, slots)
+            return slots is not None
+        return work
 
     def _place(self, idx: Any, stage: bool, count: bool = True) -> Any:
         """Slots for the flat device indices ``idx`` under a new stamp: hits stamped, misses
@@ -200,12 +210,11 @@ class LRUCachedEmbeddings(EmbeddingTable):
         miss = u[1:]
         ms = LK.set_of(miss, self.sets)
         order = xp.argsort(ms * m + xp.arange(m, dtype=np.int64))  # by set, then row: distinct keys
-        ss, su = ms[order], miss[order]
+        ss = ms[order]
         rank = xp.arange(m, dtype=np.int64) - xp.searchsorted(ss, ss, side="left")  # of a miss in its set
-        victim = LK.victims(ss, rank, self._stamp, self.ways, lock)
-        admitted = self._admit(su, victim, now)
         slot_of = xp.full(m + 1, -1, np.int64)  # by position in u
-        slot_of[order + 1] = victim
+        slot_of[order + 1] = LK.victims(ss, rank, self._stamp, self.ways, lock)
+        admitted = self._admit(miss, slot_of[1:], now)  # in row order: the host is read in address order
         if admitted and stage:
             self._generation += 1
         if admitted < m and not stage:
