@@ -51,14 +51,42 @@ STATE_BYTES = 4  # per cache or staging row of a table trained with row-wise Ada
 _EMPTY = np.empty(0, np.int64)
 
 
-class CachedEmbeddings(C.CachedEmbeddings):
+class DeviceCache:
+    """What the GPU cached tables share (:class:`CachedEmbeddings`, :class:`.lru.LRUCachedEmbeddings`):
+    batches are validated on the host as the CPU validates them, then resolved to the slots of
+    device rows by the table's ``resolve``; the last resolution is kept in ``_memo`` as
+    ``(indices, offsets, weights, mode, generation, device bags)`` for the update of the same
+    batch. The table needs ``name``, ``backend``, ``nvectors``, ``_check_open`` and ``_generation``."""
+
+    on_device = True  # lookups and updates take embeddings.gpu.tables, not the CPU kernels
+    gpu_cache = True  # a cached GPU table: its batches are resolved to slots, and it prefetches
+    _memo: tuple | None = None
+
+    def rows(self, context: Context | None, indices: np.ndarray | None = None,
+             writable: bool = False) -> RowSource:
+        raise TypeError(f"{self.name}: a GPU cached table has no host row source; use embeddings.lookup / pullback")
+
+    def validate(self, indices: Any, offsets: Any, weights: Any, mode: str | None) -> Bags:
+        """The batch checked as the CPU checks it (device arrays are read back first)."""
+        self._check_open()
+        be = self.backend
+        host = [None if x is None else (be.to_host(x) if be.is_device(x) else x) for x in (indices, offsets, weights)]
+        return make_bags(self.name, self.nvectors(), host[0], host[1], host[2], mode)
+
+    def _reused(self, indices: Any, offsets: Any, weights: Any, mode: str | None) -> ops.DeviceBags | None:
+        """The last resolution if it was of these very arguments and its slots still hold their rows."""
+        memo = self._memo
+        if memo is not None and memo[0] is indices and memo[1] is offsets and memo[2] is weights \
+                and memo[3] == mode and memo[4] == self._generation:
+            return memo[5]
+        return None
+
+
+class CachedEmbeddings(DeviceCache, C.CachedEmbeddings):
     """An embedding table in host memory whose hot rows are cached in the manager's fast level
     (HBM on a GPU manager); the arguments are those of :class:`embeddings.CachedEmbeddings`
     (the dynamic policy admits every accessed row, so ``admit`` and ``age_window`` are not taken).
     Tables are float32. ``staging_rows``: the staging area's initial size (it grows on demand)."""
-
-    on_device = True  # lookups and updates take embeddings.gpu.tables, not the CPU kernels
-    gpu_cache = True  # a cached GPU table: its batches are resolved to slots, and it prefetches
 
     def __init__(self, base: Any, manager: Manager | None = None, *, policy: str = "dynamic",
                  cache_rows: int | None = None, cache_fraction: float = 0.1, cacheslack: int | None = None,
@@ -115,26 +143,14 @@ class CachedEmbeddings(C.CachedEmbeddings):
         if policy == "static":
             self._fill_static(hot, seed)
 
-    # ------------------------------------------------------------------ table protocol
-    def rows(self, context: Context | None, indices: np.ndarray | None = None,
-             writable: bool = False) -> RowSource:
-        raise TypeError(f"{self.name}: a GPU cached table has no host row source; use embeddings.lookup / pullback")
-
     # ------------------------------------------------------------------ resolution
-    def validate(self, indices: Any, offsets: Any, weights: Any, mode: str | None) -> Bags:
-        """The batch checked as the CPU checks it (device arrays are read back first)."""
-        self._check_open()
-        return validate_batch(self, indices, offsets, weights, mode)
-
     def resolve(self, indices: Any, offsets: Any, weights: Any, mode: str | None,
                 bags: Bags | None = None, reuse: bool = False) -> ops.DeviceBags:
         """The batch on the device with each index replaced by the slot holding its row (admitting
         rows under the dynamic policy, staging the rest). ``reuse`` (a lookup's update): the last
         resolution of the same arguments while its slots still hold their rows."""
-        memo = self._memo
-        if reuse and memo is not None and memo[0] is indices and memo[1] is offsets and memo[2] is weights \
-                and memo[3] == mode and memo[4] == self._generation:
-            return memo[5]
+        if reuse and (same := self._reused(indices, offsets, weights, mode)) is not None:
+            return same
         bags = self.validate(indices, offsets, weights, mode) if bags is None else bags
         flat = bags.indices.astype(np.int64, copy=False)
         self._finish_staging()
@@ -457,11 +473,6 @@ def host_base(view: Any, manager: Manager, name: str) -> np.ndarray:
     return view
 
 
-def validate_batch(table: Any, indices: Any, offsets: Any, weights: Any, mode: str | None) -> Bags:
-    """A GPU cached table's batch checked as the CPU checks it (device arrays read back first)."""
-    be = table.backend
-    host = [None if x is None else (be.to_host(x) if be.is_device(x) else x) for x in (indices, offsets, weights)]
-    return make_bags(table.name, table.nvectors(), host[0], host[1], host[2], mode)
 
 
 def _ranges(h0: int, h1: int, ring: int) -> list[tuple[int, int]]:

@@ -42,10 +42,10 @@ from cachedarrays.errors import InvariantError
 from .. import cached as C
 from ..batch import Bags
 from ..optim import RowwiseAdagrad
-from ..protocol import Context, EmbeddingTable, RowSource
+from ..protocol import EmbeddingTable
 from . import ops
 from .backend import ReferenceBackend, cuda_backend
-from .cached import STAGING_ROWS, host_base, validate_batch
+from .cached import STAGING_ROWS, DeviceCache, host_base
 from . import lru_kernels as LK
 from .hbm import DeviceArrays
 
@@ -53,15 +53,13 @@ WAYS = 16
 SLOT_BYTES = 8 + 4 + 1  # per slot beside its row: tag (int64), stamp (int32), dirty bit (bool)
 
 
-class LRUCachedEmbeddings(EmbeddingTable):
+class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
     """An embedding table in host memory whose hot rows are cached in the manager's fast level
     (HBM on a GPU manager) in ``ways``-way sets, least recently used way evicted first. ``base``,
     ``manager``, ``cache_rows`` / ``cache_fraction`` as for :class:`embeddings.CachedEmbeddings`
     (the cache holds ``cache_rows`` rounded up to whole sets). Tables are float32.
     ``staging_rows``: the staging area's initial size (it grows on demand)."""
 
-    on_device = True  # lookups and updates take embeddings.gpu.tables, not the CPU kernels
-    gpu_cache = True  # a cached GPU table: its batches are resolved to slots, and it prefetches
     policy = "lru"
 
     def __init__(self, base: Any, manager: Manager | None = None, *, cache_rows: int | None = None,
@@ -130,25 +128,14 @@ class LRUCachedEmbeddings(EmbeddingTable):
     def example(self) -> Any:
         return np.zeros(self.featuresize(), np.float32)
 
-    def rows(self, context: Context | None, indices: np.ndarray | None = None,
-             writable: bool = False) -> RowSource:
-        raise TypeError(f"{self.name}: a GPU cached table has no host row source; use embeddings.lookup / pullback")
-
     # ------------------------------------------------------------------ resolution
-    def validate(self, indices: Any, offsets: Any, weights: Any, mode: str | None) -> Bags:
-        """The batch checked as the CPU checks it (device arrays are read back first)."""
-        self._check_open()
-        return validate_batch(self, indices, offsets, weights, mode)
-
     def resolve(self, indices: Any, offsets: Any, weights: Any, mode: str | None,
                 bags: Bags | None = None, reuse: bool = False) -> ops.DeviceBags:
         """The batch on the device with each index replaced by the slot holding its row
         (admitting misses, staging what finds no way). ``reuse`` (a lookup's update): the last
         resolution of the same arguments while its slots still hold their rows."""
-        memo = self._memo
-        if reuse and memo is not None and memo[0] is indices and memo[1] is offsets and memo[2] is weights \
-                and memo[3] == mode and memo[4] == self._generation:
-            return memo[5]
+        if reuse and (same := self._reused(indices, offsets, weights, mode)) is not None:
+            return same
         bags = self.validate(indices, offsets, weights, mode) if bags is None else bags
         flat = bags.indices
         self._finish_staging()
