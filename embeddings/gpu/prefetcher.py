@@ -2,10 +2,12 @@
 
 ``start(tables, indices)`` validates each table's next batch in the calling thread (bad input
 raises there, before anything moves), then runs the device work of the tables that can do it
-off the caller's thread (:meth:`.lru.LRUCachedEmbeddings.prefetch_work`) in one worker thread
-on a CUDA stream of its own, after the work the caller has queued so far (the current batch's
-lookups): the row traffic of the next batch then overlaps the current batch's dense work and
-embedding update on the caller's stream. Those never touch the same slots: a prefetch locks
+off the caller's thread (:meth:`.lru.LRUCachedEmbeddings.prefetch_work`) on :data:`WORKERS`
+worker threads, one table at a time each, every thread on a CUDA stream of its own, after the
+work the caller has queued so far (the current batch's lookups): the row traffic of the next
+batch then overlaps the current batch's dense work and embedding update on the caller's
+stream, and one table's waits (each resolution synchronises for its sizes) overlap another's
+kernels. Those never touch the same slots: a prefetch locks
 the ways of the batch in flight. ``finish`` joins the worker and makes the caller's stream wait
 for it, so the next lookup sees every row in place. Tables without ``prefetch_work`` (the
 host-bookkept :class:`.cached.CachedEmbeddings`, whose bookkeeping runs numba on the host) are
@@ -15,17 +17,18 @@ prefetched synchronously by ``start``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
+WORKERS = 4
 _pool: ThreadPoolExecutor | None = None
 
 
 class Pending:
-    """A background prefetch: its worker's future (the worker's stream's last event)."""
+    """A background prefetch: one future per table (its worker stream's event after the table's work)."""
 
-    def __init__(self, backend: Any, future: Future) -> None:
-        self.backend, self.future = backend, future
+    def __init__(self, backend: Any, futures: list[Future]) -> None:
+        self.backend, self.futures = backend, futures
 
 
 def start(tables: Sequence[Any], indices: Sequence[Any], fallback: Callable[[Any, Any], Any]) -> Pending | None:
@@ -43,15 +46,14 @@ def start(tables: Sequence[Any], indices: Sequence[Any], fallback: Callable[[Any
         return None
     fence = backend.fence()
     if _pool is None:
-        _pool = ThreadPoolExecutor(1, thread_name_prefix="cachedarrays-prefetch")
-    return Pending(backend, _pool.submit(_run, backend, works, fence))
+        _pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="cachedarrays-prefetch")
+    return Pending(backend, [_pool.submit(_run, backend, w, fence) for w in works])
 
 
-def _run(backend: Any, works: list, fence: Any) -> Any:
+def _run(backend: Any, work: Callable[[], Any], fence: Any) -> Any:
     with backend.stream():
         backend.follow(fence)
-        for w in works:
-            w()
+        work()
         return backend.fence()
 
 
@@ -59,4 +61,7 @@ def finish(pending: Pending | None) -> None:
     """Wait for a background prefetch (raising its error, if any) and order the caller's stream
     after it."""
     if pending is not None:
-        pending.backend.follow(pending.future.result())
+        wait(pending.futures)  # every table's work ends before an error is raised
+        events = [f.result() for f in pending.futures]
+        for ev in events:
+            pending.backend.follow(ev)
