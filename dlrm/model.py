@@ -215,9 +215,14 @@ class DLRM:
         self.params = to_device(params)
 
     def _opt_state(self, t: EmbeddingTable):
-        if self.device == "gpu":
+        """Where table ``t``'s accumulator lives: on the device for a GPU table in HBM; for a CPU
+        table, and for a GPU cached table (its cached rows' values written back first), in the
+        optimizer's host array."""
+        if self.device == "gpu" and not is_cached(t):
             from embeddings.gpu.tables import state_for
             return state_for(self.table_opt, t)
+        if self.device == "gpu":
+            t.writeback()
         return self.table_opt.state(t)
 
     def table_state(self, i: int) -> np.ndarray:
@@ -226,9 +231,13 @@ class DLRM:
         return st.get() if hasattr(st, "get") and not isinstance(st, np.ndarray) else np.array(st)
 
     def set_table_state(self, i: int, values: np.ndarray) -> None:
-        """Overwrite table ``i``'s row-wise Adagrad accumulator (for resuming)."""
+        """Overwrite table ``i``'s row-wise Adagrad accumulator (for resuming); a GPU cached table
+        then drops its cache (written back first), so its device copy is rebuilt from these values."""
         from cachedarrays.array import assign_into
-        assign_into(self._opt_state(self.tables[i]), values)
+        t = self.tables[i]
+        assign_into(self._opt_state(t), values)
+        if self.device == "gpu" and is_cached(t):
+            t.invalidate()
 
 
 def _at(xs, i):

@@ -142,6 +142,15 @@ def test_gpu_checkpoint_resume_and_a_budget_several_times_smaller_than_the_table
                                    "--cache-fraction", "0.05", "--num-batches", "12"])
     assert lru["summary"]["peak_memory"]["GPU"] <= 150000 * 16 * 4 // 4
     np.testing.assert_allclose([v for _, v in lru["losses"]], [v for _, v in small["losses"]], rtol=1e-5)
+    # cached tables resume with their Adagrad state (the accumulator the cache really uses)
+    for policy in ("dynamic", "lru"):
+        cached = common + ["--policy", policy, "--cache-fraction", "0.2"]
+        ck2 = str(tmp_path / f"{policy}.npz")
+        whole = train.main(cached + ["--num-batches", "12"])
+        train.main(cached + ["--num-batches", "6", "--save", ck2])
+        again = train.main(cached + ["--num-batches", "12", "--load", ck2])
+        np.testing.assert_allclose([v for _, v in again["losses"]], [v for _, v in whole["losses"][6:]],
+                                   rtol=1e-6, atol=1e-7, err_msg=policy)
 
 
 

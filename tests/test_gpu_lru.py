@@ -402,3 +402,34 @@ def test_a_background_prefetch_overlapping_the_update_changes_no_result():
     for t in ts:
         t.close()
     m.check()
+
+
+def test_the_dlrm_model_reads_and_restores_a_cached_gpu_tables_adagrad_state(monkeypatch):
+    """``DLRM.table_state`` / ``set_table_state`` (checkpoints) reach the accumulator the cache
+    really uses (its device copy written back to the optimizer's host array, and rebuilt from it)."""
+    import dlrm.model as M
+    from dlrm import DLRM, DLRMConfig
+    monkeypatch.setattr(M.jax, "device_put", lambda x: x)
+    rng = np.random.default_rng(10)
+    W0 = rng.standard_normal((N, F)).astype(np.float32)
+    m = host_manager()
+    t = make(W0, m, cache_rows=40, ways=4, name="t0")
+    model = DLRM(DLRMConfig([N], F, (6, F), (4, 1)), [t], optimizer="adagrad", lr=0.1, device="gpu")
+    ref = Reference(W0)
+    theirs = E.RowwiseAdagrad(0.1)
+    for _ in range(3):
+        idx = zipf_batch(rng, 8, 3)
+        g = rng.standard_normal((8, F)).astype(np.float32)
+        E.pullback(t, g, idx, optimizer=model.table_opt)
+        ref.pullback(g, idx, optimizer=theirs)
+    np.testing.assert_array_equal(model.table_state(0), ref.state)
+    values = rng.random(N).astype(np.float32)
+    model.set_table_state(0, values)
+    ref.state[...] = values
+    idx = zipf_batch(rng, 8, 3)
+    g = rng.standard_normal((8, F)).astype(np.float32)
+    E.pullback(t, g, idx, optimizer=model.table_opt)
+    ref.pullback(g, idx, optimizer=theirs)
+    np.testing.assert_array_equal(contents(t), ref.W)
+    np.testing.assert_array_equal(model.table_state(0), ref.state)
+    t.close()
