@@ -11,8 +11,14 @@ until a table's data is found on a GPU.
 * :mod:`.backend` – CUDA and reference backends behind one driver;
 * :mod:`.ops` – the driver: validation (before anything is written), update plan, dispatch;
 * :mod:`.tables` – how a table's data becomes a device array for one call (pinning a CachedArray);
-* :mod:`.cached` – ``CachedEmbeddings`` with its cache in HBM over a table in host memory, and
-  ``prefetch``.
+* :mod:`.cached` – ``CachedEmbeddings`` with its cache in HBM over a table in host memory and
+  its bookkeeping on the host, and ``prefetch``; ``DeviceCache``, what both cached classes share;
+* :mod:`.lru` – ``LRUCachedEmbeddings``: a set-associative cache whose tags, stamps and dirty
+  bits are in HBM, run by the device itself (:mod:`.lru_kernels`: its kernels, each with a
+  numpy form), misses read and evictions written through the base table's mapped address;
+* :mod:`.prefetcher` – the next batch's prefetch on worker threads with their own streams,
+  overlapping the current batch's work;
+* :mod:`.hbm` – the fast-level arrays a cached table keeps pinned while it is open.
 
 Outputs: ``lookup`` returns a JAX array (zero-copy through DLPack from the CuPy output, so the
 model's JAX code consumes it in place; a CuPy array where JAX has no GPU backend);
