@@ -433,3 +433,23 @@ def test_the_dlrm_model_reads_and_restores_a_cached_gpu_tables_adagrad_state(mon
     np.testing.assert_array_equal(contents(t), ref.W)
     np.testing.assert_array_equal(model.table_state(0), ref.state)
     t.close()
+
+
+def test_a_lookup_waits_for_a_background_prefetch_that_nobody_joined():
+    from embeddings.gpu import prefetcher
+    rng = np.random.default_rng(14)
+    W0 = rng.standard_normal((N, F)).astype(np.float32)
+    m = host_manager()
+    t = make(W0, m, cache_rows=24, ways=4)
+    ref = Reference(W0)
+    for _ in range(20):
+        idx, nxt = zipf_batch(rng, 8, 4), zipf_batch(rng, 8, 4)
+        assert np.array_equal(_host(E.lookup(t, idx)), ref.lookup(idx))
+        prefetcher.start([t], [nxt.ravel()], None)  # never finished: the next operation waits for it
+        g = rng.standard_normal((8, F)).astype(np.float32)
+        E.pullback(t, g, idx, optimizer=E.SGD(0.1))
+        ref.pullback(g, idx, optimizer=E.SGD(0.1))
+        t.check()
+        assert np.array_equal(contents(t), ref.W)
+    t.close()
+    assert np.array_equal(base_rows(t), ref.W)

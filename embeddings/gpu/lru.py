@@ -32,6 +32,7 @@ the base table is its own mapped view), which is what CI tests.
 from __future__ import annotations
 
 from collections.abc import Callable
+import threading
 from typing import Any
 
 import numpy as np
@@ -61,6 +62,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
     ``staging_rows``: the staging area's initial size (it grows on demand)."""
 
     policy = "lru"
+    _inflight: threading.Event | None = None  # set when a background prefetch has finished
 
     def __init__(self, base: Any, manager: Manager | None = None, *, cache_rows: int | None = None,
                  cache_fraction: float = 0.1, ways: int = WAYS, staging_rows: int = STAGING_ROWS,
@@ -133,9 +135,11 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
                 bags: Bags | None = None, reuse: bool = False) -> ops.DeviceBags:
         """The batch on the device with each index replaced by the slot holding its row
         (admitting misses, staging what finds no way). ``reuse`` (a lookup's update): the last
-        resolution of the same arguments while its slots still hold their rows."""
+        resolution of the same arguments while its slots still hold their rows (an update
+        taking this path runs beside a background prefetch; anything else waits for it)."""
         if reuse and (same := self._reused(indices, offsets, weights, mode)) is not None:
             return same
+        self._join()
         bags = self.validate(indices, offsets, weights, mode) if bags is None else bags
         flat = bags.indices
         self._finish_staging()
@@ -163,14 +167,28 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         stream, concurrently with the update of the batch in flight (whose slots it never
         touches), but before the next lookup of this table."""
         flat = self.validate(indices, None, None, None).indices
+        self._join()
         if self._staged.size:
             return lambda: False
+        done = self._inflight = threading.Event()
 
         def work() -> bool:
-            slots = self._place(self.backend.asarray(flat).astype(np.int64, copy=False), stage=False)
-            self._ahead = (flat, self._generation, slots)
-            return slots is not None
+            try:
+                slots = self._place(self.backend.asarray(flat).astype(np.int64, copy=False), stage=False)
+                self._ahead = (flat, self._generation, slots)
+                return slots is not None
+            finally:
+                self.backend.sync()  # this thread's stream: every write of the prefetch has landed
+                done.set()
         return work
+
+    def _join(self) -> None:
+        """Wait for a prefetch of this table running on another thread. Every operation but the
+        update of the batch in flight (whose slots a prefetch never touches) does, so a caller
+        who skips the prefetcher's ``finish`` cannot race it."""
+        if self._inflight is not None:
+            self._inflight.wait()
+            self._inflight = None
 
     def _place(self, idx: Any, stage: bool, count: bool = True) -> Any:
         """Slots for the flat device indices ``idx`` under a new stamp: hits stamped, misses
@@ -310,6 +328,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
             return None
         if self._opt is optimizer:
             return self._dstate
+        self._join()
         self._state_down()
         if self._dstate is not None:
             self._hbm.drop(self._dstate)
@@ -338,6 +357,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
     @property
     def counts(self) -> np.ndarray:
         """Hits, misses, rows admitted (read from the device)."""
+        self._join()
         return np.array(self.backend.to_host(self._counts[:3]))
 
     @property
@@ -352,6 +372,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         (e.g. before a checkpoint); Adagrad's accumulator too. The base table is current when
         this returns."""
         self._check_open()
+        self._join()
         self._finish_staging()
         xp = self.backend.xp
         d = xp.flatnonzero((self._tags >= 0) & self._dirty[:self._nslots])
@@ -372,6 +393,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
     def flush_clean(self, target: int | None = None) -> None:
         """Empty the cache without writing anything back (the base table is current)."""
         self._check_open()
+        self._join()
         self._finish_staging()
         self._drop_all()
 
@@ -386,6 +408,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         """Drop every cached and staged row without writing it back, after the base table (and
         the optimizer's host state) were replaced, e.g. by loading a checkpoint."""
         self._check_open()
+        self._join()
         self._staged, self._staged_dirty = self._staged[:0], False
         if self._dstate is not None:
             self._hbm.drop(self._dstate)
@@ -394,6 +417,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
 
     def close(self) -> None:
         """Write everything back, then free the device arrays and undo host mappings."""
+        self._join()
         if not self._pins:
             return
         if getattr(self, "_hbase", None) is not None:
@@ -428,12 +452,14 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         return self.telemetry()["hit_rate"]
 
     def reset_counters(self) -> None:
+        self._join()
         self._counts.fill(0)
         self._seen[:] = 0
 
     def check(self) -> None:
         """Every tag a row of the table, in its own set, at most once; dirty bits and stamps
         only where they can be; staged rows not cached."""
+        self._join()
         be, name = self.backend, self.name
         tags = be.to_host(self._tags)
         stamp = be.to_host(self._stamp)[:self._nslots]
