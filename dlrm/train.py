@@ -8,7 +8,8 @@ synthetic data with a hidden teacher in about a minute.
 
 ``--device gpu`` trains on a GPU: dense part and interaction in JAX there, tables in HBM
 (``--policy dram``) or in host DRAM with their hot rows cached in HBM (``simple``/``static``/
-``dynamic``), the next batch's rows prefetched while the current one computes; ``--fast-budget``
+``dynamic``: bookkeeping on the host; ``lru``: a set-associative cache the GPU runs itself, the
+fastest), the next batch's rows prefetched while the current one computes; ``--fast-budget``
 caps the HBM the tables may use (see :mod:`dlrm.gpu`).
 
 Two ways to survive a restart or a kill -9: ``--save FILE`` with a checkpoint interval writes
