@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hypothesis import settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import initialize, rule
 
 import embeddings as E
 from cachedarrays import readable
@@ -20,7 +20,8 @@ from cachedarrays.errors import InvariantError
 from embeddings.gpu.cached import prefetch
 from embeddings.gpu.lru import LRUCachedEmbeddings
 
-from test_gpu_cached import Reference, _as_np, base_rows, gpu_manager, host_manager, zipf_batch
+from test_gpu_cached import (MirroredCache, Reference, _as_np, base_rows, gpu_manager, host_manager,
+                             train_and_compare, zipf_batch)
 
 N, F = 400, 8
 
@@ -231,32 +232,18 @@ def test_an_ensemble_and_the_flushes_and_invalidate():
     m.check()
 
 
-class LRUMachine(RuleBasedStateMachine):
-    """Random lookups, updates, prefetches, flushes and write-backs on a set-associative cached
-    table, mirrored on a plain table; ``check()`` and the full contents after every step."""
+class LRUMachine(MirroredCache):
+    """The set-associative cache: the shared rules, and flushes, over every size, associativity
+    and staging area."""
+
+    contents = staticmethod(contents)
 
     @initialize(rows=st.integers(1, 60), ways=st.integers(1, 8), staging=st.integers(1, 6), adagrad=st.booleans())
     def setup(self, rows, ways, staging, adagrad):
         self.rng = np.random.default_rng(rows * 31 + ways)
         W0 = self.rng.standard_normal((120, 4)).astype(np.float32)
-        self.m = host_manager()
+        self.start(rows, W0, adagrad)
         self.t = LRUCachedEmbeddings(W0.copy(), self.m, cache_rows=rows, ways=ways, staging_rows=staging)
-        self.ref = Reference(W0)
-        self.opt = E.RowwiseAdagrad(0.2) if adagrad else E.SGD(0.2)
-        self.opt_ref = E.RowwiseAdagrad(0.2) if adagrad else E.SGD(0.2)
-
-    @rule(n=st.integers(0, 60), k=st.integers(1, 3), update=st.booleans())
-    def batch(self, n, k, update):
-        idx = ((self.rng.zipf(1.2, (n, k)) - 1) % 120).astype(np.int64)
-        assert np.array_equal(E.lookup(self.t, idx), self.ref.lookup(idx))
-        if update:
-            g = self.rng.standard_normal((n, 4)).astype(np.float32)
-            E.pullback(self.t, g, idx, optimizer=self.opt)
-            self.ref.pullback(g, idx, optimizer=self.opt_ref)
-
-    @rule(n=st.integers(0, 60))
-    def prefetch_next(self, n):
-        prefetch(self.t, self.rng.integers(0, 120, n))
 
     @rule(dirty=st.booleans())
     def flush(self, dirty):
@@ -267,21 +254,6 @@ class LRUMachine(RuleBasedStateMachine):
             self.t.flush_clean()
         assert self.t.cached_rows == 0
 
-    @rule()
-    def writeback(self):
-        self.t.writeback()
-        assert np.array_equal(base_rows(self.t), self.ref.W)
-
-    @invariant()
-    def consistent(self):
-        self.t.check()
-        assert np.array_equal(contents(self.t), self.ref.W)
-
-    def teardown(self):
-        self.t.close()
-        assert np.array_equal(base_rows(self.t), self.ref.W)
-        self.m.check()
-
 
 TestLRUMachine = LRUMachine.TestCase
 TestLRUMachine.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
@@ -291,32 +263,11 @@ TestLRUMachine.settings = settings(max_examples=40, stateful_step_count=25, dead
 @pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
 @pytest.mark.parametrize("opt", ["sgd", "adagrad"])
 def test_gpu_lru_table_equals_the_uncached_gpu_table_bit_for_bit(opt):
-    import jax
-    from embeddings.gpu.backend import cuda_backend
     rng = np.random.default_rng(12)
-    n, F_ = 20000, 64
-    W0 = rng.standard_normal((n, F_)).astype(np.float32)
+    W0 = rng.standard_normal((20000, 64)).astype(np.float32)
     with gpu_manager() as m:
         t = LRUCachedEmbeddings(W0, m, cache_fraction=0.05, staging_rows=64, name="emb")
-        ref = Reference(W0, cuda_backend())
-        mk = (lambda: E.SGD(0.1)) if opt == "sgd" else (lambda: E.RowwiseAdagrad(0.1))
-        ours, theirs = mk(), mk()
-        nxt = zipf_batch(rng, 512, 20, n)
-        for step in range(30):
-            idx, nxt = nxt, zipf_batch(rng, 512, 20, n)
-            got = E.lookup(t, idx)
-            assert isinstance(got, jax.Array) and got.devices().pop().platform == "gpu"
-            assert np.array_equal(np.asarray(got), ref.lookup(idx).get()), step
-            prefetch(t, nxt.ravel())
-            g = rng.standard_normal((512, F_)).astype(np.float32)
-            E.pullback(t, g, idx, optimizer=ours)
-            ref.pullback(g, idx, optimizer=theirs)
-            t.check()
-        assert np.array_equal(contents(t), ref.W.get())
-        t.close()
-        assert np.array_equal(base_rows(t), ref.W.get())
-        assert t.telemetry()["hit_rate"] > 0.5
-        m.check()
+        train_and_compare(m, t, contents, W0, rng, opt, 0.5)
 
 
 @pytest.mark.gpu
