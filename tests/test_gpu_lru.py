@@ -404,3 +404,33 @@ def test_a_lookup_waits_for_a_background_prefetch_that_nobody_joined():
         assert np.array_equal(contents(t), ref.W)
     t.close()
     assert np.array_equal(base_rows(t), ref.W)
+
+
+def test_the_prefetcher_joins_every_table_before_raising_a_workers_error():
+    import threading
+    from embeddings.gpu import prefetcher
+    from embeddings.gpu.backend import ReferenceBackend
+    finished = threading.Event()
+
+    class Failing:
+        backend = ReferenceBackend()
+
+        def prefetch_work(self, idx):
+            def work():
+                raise RuntimeError("device work failed")
+            return work
+
+    class Slow:
+        backend = ReferenceBackend()
+
+        def prefetch_work(self, idx):
+            def work():
+                finished.wait(0.2)
+                finished.set()
+            return work
+
+    pending = prefetcher.start([Failing(), Slow()], [np.zeros(1), np.zeros(1)], None)
+    with pytest.raises(RuntimeError, match="device work failed"):
+        prefetcher.finish(pending)
+    assert finished.is_set()  # the other table's work had ended when the error came
+    assert prefetcher.start([], [], None) is None
