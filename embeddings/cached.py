@@ -71,6 +71,15 @@ def open_base(base: Any, manager: Manager | None, name: str) -> tuple[CachedArra
     return base, manager, writable(base)
 
 
+def cache_size(cache_rows: int | None, cache_fraction: float, nvectors: int, name: str) -> int:
+    """Rows a cache of ``cache_rows`` (or ``cache_fraction`` of ``nvectors`` rows, at least one)
+    holds; ValueError naming the table unless between 1 and ``nvectors``."""
+    rows = int(cache_rows) if cache_rows is not None else max(1, int(round(cache_fraction * nvectors)))
+    if not 1 <= rows <= nvectors:
+        raise ValueError(f"{name}: cache of {rows} rows must hold between 1 and {nvectors} rows")
+    return rows
+
+
 class CachedEmbeddings(EmbeddingTable):
     """An embedding table whose hot rows are cached in the fast device.
 
@@ -116,9 +125,7 @@ class CachedEmbeddings(EmbeddingTable):
         self.cachelower = self.cacheslack = 0
         if policy == "simple":
             return
-        rows = int(cache_rows) if cache_rows is not None else max(1, int(round(cache_fraction * nvectors)))
-        if not 1 <= rows <= nvectors:
-            raise ValueError(f"{name}: cache of {rows} rows must hold between 1 and {nvectors} rows")
+        rows = cache_size(cache_rows, cache_fraction, nvectors, name)
         self.page_rows = int(page_rows or max(1, min(-(-rows // PAGES_PER_CACHE), PAGE_BYTES // max(1, self._rowbytes))))
         ring = -(-rows // self.page_rows) * self.page_rows
         self._cache = self._fast((ring, featuresize), storage_dtype)

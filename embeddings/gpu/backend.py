@@ -65,7 +65,7 @@ class ReferenceBackend:
     def upload(self, dst: Any, src: np.ndarray) -> None:
         dst[...] = src
 
-    def mapped(self, host: np.ndarray) -> tuple[np.ndarray, Any]:
+    def mapped(self, host: np.ndarray, register: bool = True, name: str = "array") -> tuple[np.ndarray, Any]:
         return host, None
 
     def unmap(self, handle: Any) -> None:
@@ -182,10 +182,12 @@ class CudaBackend:
         rt.memcpyAsync(dst.data.ptr, src.ctypes.data, src.nbytes, rt.memcpyHostToDevice,
                        cp.cuda.get_current_stream().ptr)
 
-    def mapped(self, host: np.ndarray) -> tuple[Any, Any]:
+    def mapped(self, host: np.ndarray, register: bool = True, name: str = "array") -> tuple[Any, Any]:
         """``host`` as a device array that kernels read and write in place, over PCIe (the
         host memory's mapped address), and a handle for :meth:`unmap` (None: nothing to undo).
-        Page-locked memory is taken as it is; pageable memory is page-locked first."""
+        Page-locked memory is taken as it is; pageable memory is page-locked first when
+        ``register``, else refused (memory that a manager's level owns is page-locked by the
+        devices layer or not at all: registering part of it here would collide with that)."""
         cp = self.xp
         rt = cp.cuda.runtime
         ptr, nbytes = host.ctypes.data, host.nbytes
@@ -193,6 +195,9 @@ class CudaBackend:
             return cp.empty(host.shape, host.dtype), None
         handle = None
         if not _page_locked(rt, ptr):
+            if not register:
+                raise ValueError(f"{name}: needs its rows in page-locked host memory (the DRAM level of a manager "
+                                 f"over a GPU); this level's memory is not page-locked")
             rt.hostRegister(ptr, nbytes, _REGISTER_MAPPED)
             handle = ptr
         dptr = rt.pointerGetAttributes(ptr).devicePointer

@@ -56,11 +56,39 @@ class DeviceCache:
     batches are validated on the host as the CPU validates them, then resolved to the slots of
     device rows by the table's ``resolve``; the last resolution is kept in ``_memo`` as
     ``(indices, offsets, weights, mode, generation, device bags)`` for the update of the same
-    batch. The table needs ``name``, ``backend``, ``nvectors``, ``_check_open`` and ``_generation``."""
+    batch. Row-wise Adagrad's accumulator follows the rows: ``_dstate`` by slot on the device,
+    the optimizer's host array for the rest (``_load_state``). The table needs ``name``,
+    ``backend``, ``base_array``, ``_base`` (its host rows), ``_check_open``, ``_generation`` and
+    ``_load_state``."""
 
     on_device = True  # lookups and updates take embeddings.gpu.tables, not the CPU kernels
     gpu_cache = True  # a cached GPU table: its batches are resolved to slots, and it prefetches
     _memo: tuple | None = None
+    _opt: Any = None  # the optimizer whose accumulator _dstate holds
+    _dstate: Any = None
+
+    def eltype(self) -> np.dtype:
+        return np.dtype(np.float32)
+
+    def featuresize(self) -> int:
+        return int(self._base.shape[1])
+
+    def nvectors(self) -> int:
+        return int(self._base.shape[0])
+
+    def example(self) -> Any:
+        return self.base_array
+
+    def device_state(self, optimizer: Any) -> Any:
+        """The device accumulator of row-wise Adagrad, by slot (None for SGD); with a new
+        optimizer, first filled from its host accumulator, which holds the rows that are not on
+        the device (the previous optimizer's written back to its own)."""
+        if not isinstance(optimizer, RowwiseAdagrad):
+            return None
+        if self._opt is not optimizer:
+            self._load_state(optimizer)
+            self._opt = optimizer
+        return self._dstate
 
     def rows(self, context: Context | None, indices: np.ndarray | None = None,
              writable: bool = False) -> RowSource:
@@ -115,14 +143,14 @@ class CachedEmbeddings(DeviceCache, C.CachedEmbeddings):
         self._counted = False  # the next resolution was counted by a prefetch
         self._staged, self._staged_dirty = _EMPTY, False
         self._inflight = None  # fence after the last upload from a host buffer
-        self._opt = self._hstate = None
-        self._dstate = None
+        self._hstate = None
         rows = 0
         if policy != "simple":
-            rows = int(cache_rows) if cache_rows is not None else max(1, int(round(cache_fraction * nvectors)))
-            if not 1 <= rows <= nvectors:
+            try:
+                rows = C.cache_size(cache_rows, cache_fraction, nvectors, name)
+            except ValueError:
                 self.close()
-                raise ValueError(f"{name}: cache of {rows} rows must hold between 1 and {nvectors} rows")
+                raise
         self.page_rows = int(page_rows or max(1, min(-(-max(rows, 1) // C.PAGES_PER_CACHE),
                                                      C.PAGE_BYTES // max(1, self._rowbytes))))
         ring = -(-rows // self.page_rows) * self.page_rows
@@ -293,13 +321,8 @@ class CachedEmbeddings(DeviceCache, C.CachedEmbeddings):
         self._dirty = True
         self._staged_dirty = self._staged.size > 0
 
-    def device_state(self, optimizer: Any) -> Any:
-        """The device accumulator of row-wise Adagrad, by slot (None for SGD): created from the
-        optimizer's host accumulator, which holds the rows that are not on the device."""
-        if not isinstance(optimizer, RowwiseAdagrad):
-            return None
-        if self._opt is optimizer:
-            return self._dstate
+    def _load_state(self, optimizer: RowwiseAdagrad) -> None:
+        """``_dstate`` from ``optimizer``'s host accumulator (:meth:`DeviceCache.device_state`)."""
         if self._opt is not None:
             self._state_down()
             self._hbm.drop(self._dstate)
@@ -314,8 +337,6 @@ class CachedEmbeddings(DeviceCache, C.CachedEmbeddings):
         S = self._staged.size
         if S:
             self._dstate[ring:ring + S] = self.backend.asarray(self._hstate[self._staged])
-        self._opt = optimizer
-        return self._dstate
 
     def _state_down(self) -> None:
         """Copy the device accumulator of every cached and staged row into the host one."""
@@ -471,8 +492,6 @@ def host_base(view: Any, manager: Manager, name: str) -> np.ndarray:
     if view.dtype != np.float32 or view.ndim != 2 or not view.flags.c_contiguous:
         raise TypeError(f"{name}: the base table must be a row-major 2-d float32 array, got {view.dtype} {view.shape}")
     return view
-
-
 
 
 def _ranges(h0: int, h1: int, ring: int) -> list[tuple[int, int]]:

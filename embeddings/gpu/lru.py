@@ -75,9 +75,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         try:
             self._base = host_base(view, self.manager, name)
             nvectors, F = view.shape
-            rows = int(cache_rows) if cache_rows is not None else max(1, int(round(cache_fraction * nvectors)))
-            if not 1 <= rows <= nvectors:
-                raise ValueError(f"{name}: cache of {rows} rows must hold between 1 and {nvectors} rows")
+            rows = C.cache_size(cache_rows, cache_fraction, nvectors, name)
             if int(ways) < 1:
                 raise ValueError(f"{name}: ways must be at least 1, got {ways}")
             self.ways = min(int(ways), rows)
@@ -86,8 +84,10 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
             self._W = self._hbm.new((S + max(1, int(staging_rows)), F))
             self.backend = ReferenceBackend() if isinstance(self._W, np.ndarray) else cuda_backend()
             self._tags = self._hbm.new((S,), np.int64)
-            self._stamp = self._hbm.new((S + 1,), np.int32)  # [S]: where the stamps of misses go
+            self._stamp = self._hbm.new((S,), np.int32)
             self._dirty = self._hbm.new((S + 1,), np.bool_)  # [S]: where staging slots' bits go
+            self._handles: list = []
+            self._hbase = self._map(self._base, register=False)
         except BaseException:
             self.close()
             raise
@@ -98,8 +98,6 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         xp = self.backend.xp
         self._counts = xp.zeros(4, np.int64)  # hits, misses, rows admitted, evictions written back: on the device
         self._seen = np.zeros(2, np.int64)  # the last two as last read
-        self._mapped, self._handles = {}, []
-        self._hbase = self._map(self._base)
         self._clock = 0  # stamps given out so far
         self._inflight_stamp = 0  # the stamp of the batch resolved last (its ways are locked for a prefetch)
         self._staged = xp.empty(0, np.int64)  # rows in the staging area, by staging slot
@@ -109,26 +107,15 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         self._ahead: tuple | None = None  # a prefetched batch: (host indices, generation, device slots)
         self._generation = 0  # changes whenever a resolved slot may stop holding its row
         self.rows_written_back = 0
-        self._opt = self._hstate = self._dstate = self._hstate_dev = None
+        self._hstate = self._hstate_dev = None
 
-    def _map(self, host: np.ndarray) -> Any:
-        view, handle = self.backend.mapped(host)
+    def _map(self, host: np.ndarray, register: bool) -> Any:
+        """``host`` as the device reads and writes it in place (:meth:`mapped` of the backend);
+        ``register``: page-lock it if it is not (undone at :meth:`close`)."""
+        view, handle = self.backend.mapped(host, register, self.name)
         if handle is not None:
             self._handles.append(handle)
         return view
-
-    # ------------------------------------------------------------------ table protocol
-    def eltype(self) -> np.dtype:
-        return np.dtype(np.float32)
-
-    def featuresize(self) -> int:
-        return int(self._base.shape[1])
-
-    def nvectors(self) -> int:
-        return int(self._base.shape[0])
-
-    def example(self) -> Any:
-        return np.zeros(self.featuresize(), np.float32)
 
     # ------------------------------------------------------------------ resolution
     def resolve(self, indices: Any, offsets: Any, weights: Any, mode: str | None,
@@ -321,25 +308,19 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         self._staged_dirty = self._staged.size > 0
 
     # ------------------------------------------------------------------ optimizer state
-    def device_state(self, optimizer: Any) -> Any:
-        """The device accumulator of row-wise Adagrad, by slot (None for SGD): filled from the
-        optimizer's host accumulator, which holds the rows that are not on the device."""
-        if not isinstance(optimizer, RowwiseAdagrad):
-            return None
-        if self._opt is optimizer:
-            return self._dstate
+    def _load_state(self, optimizer: RowwiseAdagrad) -> None:
+        """``_dstate`` from ``optimizer``'s host accumulator (:meth:`DeviceCache.device_state`),
+        mapped for the device (page-locked first: it is the optimizer's plain array)."""
         self._join()
         self._state_down()
         if self._dstate is not None:
             self._hbm.drop(self._dstate)
         self._hstate = optimizer.state(self)
-        self._hstate_dev = self._map(self._hstate)
+        self._hstate_dev = self._map(self._hstate, register=True)
         self._dstate = self._hbm.new((self._W.shape[0],), np.float32)
         live = self.backend.xp.flatnonzero(self._tags >= 0)
         LK.copy_rows(self._dstate, live, self._hstate_dev, self._tags[live], int(live.size))
         LK.copy_rows(self._dstate, None, self._hstate_dev, self._staged, int(self._staged.size), dbase=self._nslots)
-        self._opt = optimizer
-        return self._dstate
 
     def _state_down(self) -> None:
         """Copy the device accumulator of every cached and updated staged row to the host one."""
