@@ -14,7 +14,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import initialize, rule
 
 import embeddings as E
-from cachedarrays import readable
+from cachedarrays import readable, writable
 from cachedarrays.devices import gpu as gpu_device
 from cachedarrays.errors import InvariantError
 from embeddings.gpu.cached import prefetch
@@ -123,19 +123,28 @@ def test_a_set_whose_ways_the_batch_fills_stages_the_rest_and_writes_their_updat
 def test_prefetch_never_moves_the_rows_of_the_batch_in_flight_and_counts_the_next_batch_once():
     W0 = np.random.default_rng(4).standard_normal((N, F)).astype(np.float32)
     m = host_manager()
-    t = make(W0, m, cache_rows=8, ways=4)
-    cur, nxt = np.array([[1, 2, 3, 4]]), np.array([[10, 11, 12, 13]])
-    E.lookup(t, cur)
-    slots_before = {r: s for s, r in enumerate(_host(t._tags)) if r >= 0}
-    assert prefetch(t, nxt.ravel()) in (True, False)
+    t = make(W0, m, cache_rows=4, ways=4)  # one set of four ways: every row competes
+    ref = Reference(W0)
+    E.lookup(t, np.array([[5, 6]]))  # older rows in two ways
+    cur = np.array([[1, 2]])
+    E.lookup(t, cur)  # the batch in flight in the other two, used last
+    slot = {r: s for s, r in enumerate(_host(t._tags)) if r >= 0}
+    # three misses, two evictable ways: 5 and 6 go, 1 and 2 stay although they are the next oldest
+    assert prefetch(t, np.array([10, 11, 12])) is False
     tags = _host(t._tags)
-    for r in (1, 2, 3, 4):  # still where the lookup found them: its update lands on them
-        assert tags[slots_before[r]] == r
+    assert tags[slot[1]] == 1 and tags[slot[2]] == 2  # the in-flight update lands where its lookup read
+    assert sorted(tags.tolist()) == [1, 2, 10, 11]
+    g = np.ones((1, F), np.float32)
+    E.pullback(t, g, cur, optimizer=E.SGD(0.5))
+    ref.pullback(g, cur, optimizer=E.SGD(0.5))
+    nxt = np.array([[10, 11, 12]])
+    assert np.array_equal(_host(E.lookup(t, nxt)), ref.lookup(nxt))  # 12 found a way at its own lookup
+    assert np.array_equal(contents(t), ref.W)
     t.reset_counters()
-    assert prefetch(t, np.array([20, 21])) in (True, False)
-    E.lookup(t, np.array([[20, 21]]))
+    assert prefetch(t, np.array([20, 10])) is True  # one miss, one way left beside the in-flight 10, 11, 12
+    E.lookup(t, np.array([[20, 10]]))
     hits, misses, _ = t.counts
-    assert hits + misses == 2  # counted by the prefetch, not again by the lookup
+    assert (hits, misses) == (1, 1)  # counted by the prefetch, not again by the lookup
     t.check()
     t.close()
 
@@ -218,9 +227,6 @@ def test_an_ensemble_and_the_flushes_and_invalidate():
     ts[1].flush_clean()
     assert ts[1].cached_rows == 0 and np.array_equal(base_rows(ts[1]), refs[1].W)
     E.lookup(ts[0], idx[0])
-    with readable(ts[0].base_array) as v:
-        pass
-    from cachedarrays import writable
     with writable(ts[0].base_array) as v:
         v[...] = 0
     ts[0].invalidate()
