@@ -80,7 +80,24 @@ def cache_size(cache_rows: int | None, cache_fraction: float, nvectors: int, nam
     return rows
 
 
-class CachedEmbeddings(EmbeddingTable):
+class BaseRows:
+    """The table protocol's shape of a cached table (CPU or GPU), read from its base: ``_base``
+    (the base rows as stored), ``_dtype`` (their element type), ``base_array``."""
+
+    def eltype(self) -> np.dtype:
+        return self._dtype
+
+    def featuresize(self) -> int:
+        return int(self._base.shape[1])
+
+    def nvectors(self) -> int:
+        return int(self._base.shape[0])
+
+    def example(self) -> Any:
+        return self.base_array
+
+
+class CachedEmbeddings(BaseRows, EmbeddingTable):
     """An embedding table whose hot rows are cached in the fast device.
 
     ``base`` is a 2-d CachedArray (moved to the slow device if it is not there) or an
@@ -180,18 +197,6 @@ class CachedEmbeddings(EmbeddingTable):
         self.counts[:] = 0  # the fill is not traffic of the workload
 
     # ------------------------------------------------------------------ table protocol
-    def eltype(self) -> np.dtype:
-        return self._dtype
-
-    def featuresize(self) -> int:
-        return int(self._base.shape[1])
-
-    def nvectors(self) -> int:
-        return int(self._base.shape[0])
-
-    def example(self) -> Any:
-        return self.base_array
-
     @contextmanager
     def rows(self, context: Context | None, indices: np.ndarray | None = None,
              writable: bool = False) -> Iterator[RowSource]:

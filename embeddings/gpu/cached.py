@@ -51,33 +51,21 @@ STATE_BYTES = 4  # per cache or staging row of a table trained with row-wise Ada
 _EMPTY = np.empty(0, np.int64)
 
 
-class DeviceCache:
+class DeviceCache(C.BaseRows):
     """What the GPU cached tables share (:class:`CachedEmbeddings`, :class:`.lru.LRUCachedEmbeddings`):
     batches are validated on the host as the CPU validates them, then resolved to the slots of
     device rows by the table's ``resolve``; the last resolution is kept in ``_memo`` as
     ``(indices, offsets, weights, mode, generation, device bags)`` for the update of the same
     batch. Row-wise Adagrad's accumulator follows the rows: ``_dstate`` by slot on the device,
     the optimizer's host array for the rest (``_load_state``). The table needs ``name``,
-    ``backend``, ``base_array``, ``_base`` (its host rows), ``_check_open``, ``_generation`` and
-    ``_load_state``."""
+    ``backend``, the base of :class:`~embeddings.cached.BaseRows`, ``_check_open``, ``_generation``
+    and ``_load_state``."""
 
     on_device = True  # lookups and updates take embeddings.gpu.tables, not the CPU kernels
     gpu_cache = True  # a cached GPU table: its batches are resolved to slots, and it prefetches
     _memo: tuple | None = None
     _opt: Any = None  # the optimizer whose accumulator _dstate holds
     _dstate: Any = None
-
-    def eltype(self) -> np.dtype:
-        return np.dtype(np.float32)
-
-    def featuresize(self) -> int:
-        return int(self._base.shape[1])
-
-    def nvectors(self) -> int:
-        return int(self._base.shape[0])
-
-    def example(self) -> Any:
-        return self.base_array
 
     def device_state(self, optimizer: Any) -> Any:
         """The device accumulator of row-wise Adagrad, by slot (None for SGD); with a new

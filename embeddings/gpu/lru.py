@@ -74,6 +74,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         view = pin.array
         try:
             self._base = host_base(view, self.manager, name)
+            self._dtype = self._base.dtype
             nvectors, F = view.shape
             rows = C.cache_size(cache_rows, cache_fraction, nvectors, name)
             if int(ways) < 1:
