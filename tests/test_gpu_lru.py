@@ -238,6 +238,38 @@ def test_an_ensemble_and_the_flushes_and_invalidate():
     m.check()
 
 
+def test_the_adagrad_accumulator_is_registered_exactly_while_the_table_uses_it():
+    """Freed memory that stays page-locked breaks later host copies from whatever reuses it: the
+    accumulator's registration ends when it is replaced, dropped, the table closed or collected."""
+    rng = np.random.default_rng(9)
+    W0 = rng.standard_normal((N, F)).astype(np.float32)
+    m = host_manager()
+    t = make(W0, m, cache_rows=40, ways=4)
+    reg = t.backend.registered
+    idx = zipf_batch(rng, 8, 3)
+    g = rng.standard_normal((8, F)).astype(np.float32)
+    assert reg == {}  # the base table is never registered by the cache
+    first, second = E.RowwiseAdagrad(0.1), E.RowwiseAdagrad(0.1)
+    E.pullback(t, g, idx, optimizer=first)
+    assert reg == {first.state(t).ctypes.data: N * 4}
+    E.pullback(t, g, idx, optimizer=second)
+    assert reg == {second.state(t).ctypes.data: N * 4}
+    t.invalidate()
+    assert reg == {}
+    E.pullback(t, g, idx, optimizer=second)
+    assert len(reg) == 1
+    t.close()
+    assert reg == {}
+    t = make(W0, m, cache_rows=40, ways=4)
+    reg = t.backend.registered
+    E.pullback(t, g, idx, optimizer=E.RowwiseAdagrad(0.1))
+    assert len(reg) == 1
+    del t
+    import gc
+    gc.collect()
+    assert reg == {}
+
+
 class LRUMachine(MirroredCache):
     """The set-associative cache: the shared rules, and flushes, over every size, associativity
     and staging area."""
@@ -274,6 +306,33 @@ def test_gpu_lru_table_equals_the_uncached_gpu_table_bit_for_bit(opt):
     with gpu_manager() as m:
         t = LRUCachedEmbeddings(W0, m, cache_fraction=0.05, staging_rows=64, name="emb")
         train_and_compare(m, t, contents, W0, rng, opt, 0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
+def test_on_the_gpu_a_replaced_accumulator_is_no_longer_page_locked_and_host_copies_still_work():
+    import cupy as cp
+    from embeddings.gpu.backend import _page_locked
+    rt = cp.cuda.runtime
+    rng = np.random.default_rng(13)
+    W0 = rng.standard_normal((20000, 64)).astype(np.float32)
+    idx = zipf_batch(rng, 64, 5)
+    g = rng.standard_normal((64, 64)).astype(np.float32)
+    with gpu_manager() as m:
+        t = LRUCachedEmbeddings(W0, m, cache_fraction=0.05, staging_rows=64, name="emb")
+        first, second = E.RowwiseAdagrad(0.1), E.RowwiseAdagrad(0.1)
+        E.pullback(t, g, idx, optimizer=first)
+        p1 = first.state(t).ctypes.data
+        assert _page_locked(rt, p1)
+        E.pullback(t, g, idx, optimizer=second)
+        p2 = second.state(t).ctypes.data
+        assert not _page_locked(rt, p1) and _page_locked(rt, p2)
+        del first
+        for _ in range(20):  # fresh host arrays over the freed range copy to the device as usual
+            a = np.full(20000, 3, np.int32)
+            assert int(cp.asarray(a).sum()) == 60000
+        t.close()
+        assert not _page_locked(rt, p2)
 
 
 @pytest.mark.gpu

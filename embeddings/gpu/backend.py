@@ -43,6 +43,7 @@ class ReferenceBackend:
 
     def __init__(self, device_indices: bool = False) -> None:
         self.device_indices = device_indices
+        self.registered: dict[int, int] = {}  # address -> bytes of what mapped() registered
 
     def is_device(self, x: Any) -> bool:
         return self.device_indices and isinstance(x, np.ndarray)
@@ -66,10 +67,19 @@ class ReferenceBackend:
         dst[...] = src
 
     def mapped(self, host: np.ndarray, register: bool = True, name: str = "array") -> tuple[np.ndarray, Any]:
-        return host, None
+        """``host`` itself; ``register`` is recorded in :attr:`registered` as CUDA would page-lock
+        it, so that tests see every registration undone."""
+        if not register or host.nbytes == 0:
+            return host, None
+        ptr = host.ctypes.data
+        if ptr in self.registered:
+            raise ValueError(f"{name}: host memory at {ptr:#x} is already registered")
+        self.registered[ptr] = host.nbytes
+        return host, ptr
 
     def unmap(self, handle: Any) -> None:
-        pass
+        if handle is not None:
+            self.registered.pop(handle)
 
     def fence(self) -> Any:
         return None

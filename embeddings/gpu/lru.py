@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -87,8 +88,8 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
             self._tags = self._hbm.new((S,), np.int64)
             self._stamp = self._hbm.new((S,), np.int32)
             self._dirty = self._hbm.new((S + 1,), np.bool_)  # [S]: where staging slots' bits go
-            self._handles: list = []
-            self._hbase = self._map(self._base, register=False)
+            self._state_map: weakref.finalize | None = None
+            self._hbase, _ = self.backend.mapped(self._base, False, self.name)
         except BaseException:
             self.close()
             raise
@@ -110,13 +111,23 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         self.rows_written_back = 0
         self._hstate = self._hstate_dev = None
 
-    def _map(self, host: np.ndarray, register: bool) -> Any:
-        """``host`` as the device reads and writes it in place (:meth:`mapped` of the backend);
-        ``register``: page-lock it if it is not (undone at :meth:`close`)."""
-        view, handle = self.backend.mapped(host, register, self.name)
+    def _map_state(self, host: np.ndarray) -> Any:
+        """The optimizer's host accumulator as the device reads and writes it in place,
+        page-locked first if it is not. The page-locking lasts exactly as long as this table uses
+        the array: undone (:meth:`_unmap_state`) when the accumulator is replaced or dropped, the
+        table closed, or the table collected unclosed; the array is kept alive until then, since
+        freed memory that stays registered breaks later copies from whatever reuses it."""
+        self._unmap_state()
+        view, handle = self.backend.mapped(host, True, self.name)
         if handle is not None:
-            self._handles.append(handle)
+            self._state_map = weakref.finalize(self, _unmap, self.backend, handle, host)
+            self._state_map.atexit = False
         return view
+
+    def _unmap_state(self) -> None:
+        if self._state_map is not None:
+            self._state_map()
+            self._state_map = None
 
     # ------------------------------------------------------------------ resolution
     def resolve(self, indices: Any, offsets: Any, weights: Any, mode: str | None,
@@ -317,7 +328,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         if self._dstate is not None:
             self._hbm.drop(self._dstate)
         self._hstate = optimizer.state(self)
-        self._hstate_dev = self._map(self._hstate, register=True)
+        self._hstate_dev = self._map_state(self._hstate)
         self._dstate = self._hbm.new((self._W.shape[0],), np.float32)
         live = self.backend.xp.flatnonzero(self._tags >= 0)
         LK.copy_rows(self._dstate, live, self._hstate_dev, self._tags[live], int(live.size))
@@ -394,7 +405,8 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         self._staged, self._staged_dirty = self._staged[:0], False
         if self._dstate is not None:
             self._hbm.drop(self._dstate)
-        self._opt = self._hstate = self._dstate = None
+        self._unmap_state()
+        self._opt = self._hstate = self._hstate_dev = self._dstate = None
         self._drop_all()
 
     def close(self) -> None:
@@ -405,9 +417,8 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         if getattr(self, "_hbase", None) is not None:
             self.writeback()
         self._hbm.close()
-        for h in getattr(self, "_handles", []):
-            self.backend.unmap(h)
-        self._handles = []
+        if getattr(self, "_state_map", None) is not None:
+            self._unmap_state()
         views, self._pins = self._pins, []
         for v in views:
             v.release()
@@ -474,3 +485,8 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
     return a is b or (a.shape == b.shape and np.array_equal(a, b))
+
+
+def _unmap(backend: Any, handle: Any, host: np.ndarray) -> None:
+    """Undo a mapping of ``host`` (passed only to keep it alive until this runs)."""
+    backend.unmap(handle)
