@@ -341,48 +341,91 @@ def test_the_cuda_kernels_do_what_their_numpy_forms_do():
     import cupy as cp
     from embeddings.gpu import lru_kernels as LK
     rng = np.random.default_rng(13)
-    sets, ways, n, F_ = 50, 4, 3000, 8
+    sets, ways, n, F_, R = 50, 4, 3000, 8, 10_000
     tags = np.full(sets * ways, -1, np.int64)
-    rows = rng.permutation(10_000)[:120]
-    for r in rows:  # a valid cache: each row in a free way of its own set
+    cached = rng.permutation(R)[:120]
+    for r in cached:  # a valid cache: each row in a free way of its own set
         s = int(LK.set_of(np.array([r]), sets)[0])
         free = np.flatnonzero(tags[s * ways:(s + 1) * ways] < 0)
         if free.size:
             tags[s * ways + free[0]] = r
     stamp = np.append(rng.integers(0, 5, sets * ways), 0).astype(np.int32)
-    idx = np.where(rng.random(n) < 0.5, rng.choice(rows, n), rng.integers(0, 10_000, n)).astype(np.int64)
-    for a, b in zip(LK.probe(idx, tags, stamp.copy(), sets, ways, 9),
-                    LK.probe(cp.asarray(idx), cp.asarray(tags), cp.asarray(stamp), sets, ways, 9)):
-        np.testing.assert_array_equal(a, b.get())
+    idx = np.where(rng.random(n) < 0.5, rng.choice(cached, n), rng.integers(0, R, n)).astype(np.int64)
     st_h, st_d = stamp.copy(), cp.asarray(stamp)
-    LK.probe(idx, tags, st_h, sets, ways, 9)
-    LK.probe(cp.asarray(idx), cp.asarray(tags), st_d, sets, ways, 9)
-    np.testing.assert_array_equal(st_h, st_d.get())
-    ss = np.sort(rng.integers(0, sets, 400)).astype(np.int64)
-    rank = np.arange(400) - np.searchsorted(ss, ss, side="left")
-    want = LK.victims(ss, rank, st_h, ways, 8)
-    np.testing.assert_array_equal(want, LK.victims(cp.asarray(ss), cp.asarray(rank), st_d, ways, 8).get())
-    # swap + settle + copy_rows on rows and on a per-row accumulator, against numpy
-    victim = want  # distinct slots: distinct ranks of a set pick distinct ways
-    new_rows = rng.permutation(np.setdiff1d(np.arange(10_000), tags))[:400].astype(np.int64)
+    slot, key = LK.probe(idx, tags, st_h, sets, ways, 9, R)
+    d_slot, d_key = LK.probe(cp.asarray(idx), cp.asarray(tags), st_d, sets, ways, 9, R)
+    for a, b in ((slot, d_slot), (key, d_key), (st_h, st_d)):
+        np.testing.assert_array_equal(a, b.get())
+    none = sets * R
+    order = np.argsort(key, kind="stable")
+    sk = key[order]
+    c_h, c_d = np.zeros(5, np.int64), cp.zeros(5, np.int64)
+    first, rows = LK.distinct(sk, R, none, c_h[0:2])
+    d_first, d_rows = LK.distinct(cp.asarray(sk), R, none, c_d[0:2])
+    for a, b in ((first, d_first), (rows, d_rows)):
+        np.testing.assert_array_equal(a, b.get())
+    assert c_h[0] == (slot >= 0).sum() and c_h[1] == (slot < 0).sum() and np.array_equal(c_h, c_d.get())
+    assert first.sum() == np.unique(idx[slot < 0]).size
+    pos = np.cumsum(first)
+    victim = LK.victims(sk, first, pos, R, st_h, ways, 8, c_h[4:5])
+    d_victim = LK.victims(cp.asarray(sk), cp.asarray(first), cp.asarray(pos), R, st_d, ways, 8, c_d[4:5])
+    np.testing.assert_array_equal(victim, d_victim.get())
+    assert c_h[4] == 1 and np.array_equal(c_h, c_d.get())  # more misses than ways in some set
+    assert np.all(victim[~first] == -1) and np.unique(victim[victim >= 0]).size == (victim >= 0).sum()
+    # copy_rows over the first `count` (a device scalar) of index arrays, rows and per-row values
+    new_rows = np.where(victim >= 0, rng.permutation(np.setdiff1d(np.arange(R), tags))[:n], -1).astype(np.int64)
     dirty = np.append(rng.random(sets * ways) < 0.5, False)
+    by = np.argsort(np.where(victim >= 0, new_rows, R))
     for shape in ((sets * ways + 1, F_), (sets * ways + 1,)):
         dev = rng.standard_normal(shape).astype(np.float32)
-        home = rng.standard_normal((10_000,) + shape[1:]).astype(np.float32)
+        home = rng.standard_normal((R,) + shape[1:]).astype(np.float32)
         d_dev, d_home = cp.asarray(dev), cp.asarray(home)
-        LK.swap(dev, home, new_rows, victim, tags, dirty)
-        LK.swap(d_dev, d_home, cp.asarray(new_rows), cp.asarray(victim), cp.asarray(tags), cp.asarray(dirty))
+        cnt = (victim >= 0).sum()
+        LK.copy_rows(dev, victim[by], home, new_rows[by], n, count=cnt)
+        LK.copy_rows(d_dev, cp.asarray(victim[by]), d_home, cp.asarray(new_rows[by]), n, count=cp.asarray(cnt))
         np.testing.assert_array_equal(dev, d_dev.get())
+        assert np.array_equal(dev[victim[victim >= 0]], home[new_rows[victim >= 0]])
+        LK.copy_rows(home, new_rows[victim >= 0][:50], dev, None, 50, sbase=3)
+        LK.copy_rows(d_home, cp.asarray(new_rows[victim >= 0][:50]), d_dev, None, 50, sbase=3)
         np.testing.assert_array_equal(home, d_home.get())
-        LK.copy_rows(home, new_rows[:50], dev, None, 50, sbase=3)
-        LK.copy_rows(d_home, cp.asarray(new_rows[:50]), d_dev, None, 50, sbase=3)
-        np.testing.assert_array_equal(home, d_home.get())
-    t_h, s_h, k_h, c_h = tags.copy(), st_h.copy(), dirty.copy(), np.zeros(2, np.int64)
-    t_d, s_d, k_d, c_d = cp.asarray(tags), st_d.copy(), cp.asarray(dirty), cp.zeros(2, np.int64)
-    LK.settle(new_rows, victim, t_h, s_h, k_h, 11, c_h)
-    LK.settle(cp.asarray(new_rows), cp.asarray(victim), t_d, s_d, k_d, 11, c_d)
+    t_h, s_h, k_h = tags.copy(), st_h.copy(), dirty.copy()
+    t_d, s_d, k_d = cp.asarray(tags), st_d.copy(), cp.asarray(dirty)
+    LK.settle(new_rows, victim, t_h, s_h, k_h, 11, c_h[2:4])
+    LK.settle(cp.asarray(new_rows), cp.asarray(victim), t_d, s_d, k_d, 11, c_d[2:4])
     for a, b in ((t_h, t_d), (s_h, s_d), (k_h, k_d), (c_h, c_d)):
         np.testing.assert_array_equal(a, b.get())
+    d_slot = cp.asarray(slot)
+    LK.slots(sk, order, victim, none, slot)
+    LK.slots(cp.asarray(sk), cp.asarray(order), cp.asarray(victim), none, d_slot)
+    np.testing.assert_array_equal(slot, d_slot.get())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
+def test_the_gpu_cache_makes_the_decisions_of_its_numpy_form():
+    """Same batches, same sizes: the CUDA path and the numpy path hold the same rows in the same
+    slots, with the same stamps and dirty bits, after every step (prefetch and staging included)."""
+    rng = np.random.default_rng(14)
+    W0 = rng.standard_normal((3000, 16)).astype(np.float32)
+    with gpu_manager() as gm:
+        hm = host_manager()
+        ts = [LRUCachedEmbeddings(W0.copy(), mm, cache_rows=96, ways=4, staging_rows=2, name="t") for mm in (hm, gm)]
+        opts = [E.RowwiseAdagrad(0.1), E.RowwiseAdagrad(0.1)]
+        nxt = zipf_batch(rng, 64, 4, 3000)
+        for step in range(12):
+            idx, nxt = nxt, zipf_batch(rng, 64, 4, 3000)
+            g = rng.standard_normal((64, 16)).astype(np.float32)
+            for t, o in zip(ts, opts):
+                E.lookup(t, idx)
+                if step % 4:
+                    prefetch(t, nxt.ravel())
+                E.pullback(t, g, idx, optimizer=o)
+            for name in ("_tags", "_stamp", "_dirty"):
+                np.testing.assert_array_equal(_host(getattr(ts[0], name)), _host(getattr(ts[1], name)), err_msg=name)
+            assert np.array_equal(ts[0].counts, ts[1].counts)
+        for t in ts:
+            t.check()
+            t.close()
 
 
 def test_a_background_prefetch_overlapping_the_update_changes_no_result():

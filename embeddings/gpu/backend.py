@@ -66,6 +66,9 @@ class ReferenceBackend:
     def upload(self, dst: Any, src: np.ndarray) -> None:
         dst[...] = src
 
+    def download(self, dst: np.ndarray, src: Any) -> None:
+        dst[...] = src
+
     def mapped(self, host: np.ndarray, register: bool = True, name: str = "array") -> tuple[np.ndarray, Any]:
         """``host`` itself; ``register`` is recorded in :attr:`registered` as CUDA would page-lock
         it, so that tests see every registration undone."""
@@ -190,6 +193,14 @@ class CudaBackend:
         cp = self.xp
         rt = cp.cuda.runtime
         rt.memcpyAsync(dst.data.ptr, src.ctypes.data, src.nbytes, rt.memcpyHostToDevice,
+                       cp.cuda.get_current_stream().ptr)
+
+    def download(self, dst: np.ndarray, src: Any) -> None:
+        """Copy contiguous device ``src`` into page-locked host ``dst`` on the current stream,
+        without waiting: ``dst`` holds it once a later :meth:`fence` is passed."""
+        cp = self.xp
+        rt = cp.cuda.runtime
+        rt.memcpyAsync(dst.ctypes.data, src.data.ptr, src.nbytes, rt.memcpyDeviceToHost,
                        cp.cuda.get_current_stream().ptr)
 
     def mapped(self, host: np.ndarray, register: bool = True, name: str = "array") -> tuple[Any, Any]:

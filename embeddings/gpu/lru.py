@@ -98,8 +98,12 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         self._dirty.fill(False)
         self._rowbytes = F * 4
         xp = self.backend.xp
-        self._counts = xp.zeros(4, np.int64)  # hits, misses, rows admitted, evictions written back: on the device
-        self._seen = np.zeros(2, np.int64)  # the last two as last read
+        # on the device: hits, misses, rows admitted, evictions written back, the last placement left a row out
+        self._counts = xp.zeros(5, np.int64)
+        self._mail = self.backend.pinned((5,), np.int64)  # their copy on the host (:meth:`_post`)
+        self._mail[:] = 0
+        self._mail_fence: Any = False  # False: the copy is read (or nothing was queued)
+        self._seen = np.zeros(2, np.int64)  # admitted, written back as last accounted
         self._clock = 0  # stamps given out so far
         self._inflight_stamp = 0  # the stamp of the batch resolved last (its ways are locked for a prefetch)
         self._staged = xp.empty(0, np.int64)  # rows in the staging area, by staging slot
@@ -144,7 +148,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         self._finish_staging()
         ahead, self._ahead = self._ahead, None
         counted = ahead is not None and ahead[1] == self._generation and _same(ahead[0], flat)
-        slots = ahead[2] if counted else None
+        slots = ahead[2] if counted and not self._collect() else None  # _collect: the prefetch left a row out
         if slots is None:
             slots = self._place(self.backend.asarray(flat).astype(np.int64, copy=False), stage=True, count=not counted)
         self._inflight_stamp = self._clock
@@ -175,9 +179,10 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
             try:
                 slots = self._place(self.backend.asarray(flat).astype(np.int64, copy=False), stage=False)
                 self._ahead = (flat, self._generation, slots)
-                return slots is not None
-            finally:
                 self.backend.sync()  # this thread's stream: every write of the prefetch has landed
+                return not self._collect()
+            finally:
+                self.backend.sync()
                 done.set()
         return work
 
@@ -193,50 +198,77 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         """Slots for the flat device indices ``idx`` under a new stamp: hits stamped, misses
         admitted into the least recently used unlocked ways of their sets, the rest staged, hits
         and misses counted when ``count``. Without ``stage`` (a prefetch) the ways of the batch
-        in flight are locked too, nothing is staged, and None is returned if a row found no way;
-        such a placement evicts no row of the batch in flight, so its resolution stays valid."""
-        xp, S = self.backend.xp, self._nslots
+        in flight are locked too and nothing is staged: a row that found no way keeps slot -1
+        (:meth:`_collect` tells whether one did); such a placement evicts no row of the batch in
+        flight, so its resolution stays valid.
+
+        Everything is queued on the device with no wait for a size: arrays keep the batch's
+        length, entries that are not a set's distinct miss carry victim -1. The host waits only
+        to stage (``stage`` and some row found no way)."""
+        xp, S, sets, ways = self.backend.xp, self._nslots, self.sets, self.ways
+        self._collect()
         self._clock += 1
         now = self._clock
         lock = now if stage else (self._inflight_stamp or now)
         n = int(idx.size)
         if n == 0:
             return xp.empty(0, np.int64)
-        slot, missed = LK.probe(idx, self._tags, self._stamp, self.sets, self.ways, now)
-        if count:
-            nmiss = (missed >= 0).sum()
-            self._counts[0] += n - nmiss
-            self._counts[1] += nmiss
-        u = xp.unique(xp.concatenate([xp.full(1, -1, np.int64), missed]))  # u[0] == -1
-        m = int(u.size) - 1
-        if m == 0:
-            return slot
-        miss = u[1:]
-        ms = LK.set_of(miss, self.sets)
-        order = xp.argsort(ms * m + xp.arange(m, dtype=np.int64))  # by set, then row: distinct keys
-        ss = ms[order]
-        rank = xp.arange(m, dtype=np.int64) - xp.searchsorted(ss, ss, side="left")  # of a miss in its set
-        slot_of = xp.full(m + 1, -1, np.int64)  # by position in u
-        slot_of[order + 1] = LK.victims(ss, rank, self._stamp, self.ways, lock)
-        admitted = self._admit(miss, slot_of[1:], now)  # in row order: the host is read in address order
-        if admitted and stage:
+        R = self.nvectors()
+        none = sets * R
+        self._counts[4] = 0
+        slot, key = LK.probe(idx, self._tags, self._stamp, sets, ways, now, R)
+        order = xp.argsort(key)  # misses by set, then row; hits last
+        sk = key[order]
+        first, rows = LK.distinct(sk, R, none, self._counts[0:2] if count else None)
+        victim = LK.victims(sk, first, xp.cumsum(first), R, self._stamp, ways, lock, self._counts[4:5])
+        self._admit(rows, victim, now)
+        if stage:
             self._generation += 1
-        if admitted < m and not stage:
-            return None
-        if admitted < m:
-            rest = xp.flatnonzero(slot_of[1:] < 0)
-            slot_of[rest + 1] = S + self._stage(miss[rest])
-        return xp.where(slot >= 0, slot, slot_of[xp.searchsorted(u, missed)])
+        self._post()
+        if stage and self._collect():
+            rest = xp.flatnonzero(first & (victim < 0))
+            victim[rest] = S + self._stage(rows[rest])
+        LK.slots(sk, order, victim, none, slot)
+        return slot
 
-    def _admit(self, rows: Any, victim: Any, now: int) -> int:
+    def _admit(self, rows: Any, victim: Any, now: int) -> None:
         """Put ``rows[j]`` into slot ``victim[j]`` where that is not -1: the row it held written
         back first if dirty, then the new row (and Adagrad's accumulator) read from the host.
-        Returns how many rows were admitted."""
-        LK.swap(self._W, self._hbase, rows, victim, self._tags, self._dirty)
-        if self._dstate is not None:
-            LK.swap(self._dstate, self._hstate_dev, rows, victim, self._tags, self._dirty)
-        LK.settle(rows, victim, self._tags, self._stamp, self._dirty, now, self._counts[2:])
-        seen = np.array(self.backend.to_host(self._counts[2:]))  # a copy: numpy "device" arrays are host arrays
+        Both copies go in the order of host addresses, and only over the rows that move (sorted
+        to the front; their number stays on the device): reading 64,000 random rows took 1.9 ms
+        in batch order, 1.2 ms in address order on the H100."""
+        xp, R = self.backend.xp, self.nvectors()
+        n = int(victim.size)
+        ok = victim >= 0
+        v = xp.maximum(victim, 0)
+        old = xp.where(ok, self._tags[v], -1)
+        back = (old >= 0) & self._dirty[v]
+        out = xp.argsort(xp.where(back, old, R))
+        into = xp.argsort(xp.where(ok, rows, R))
+        pairs = [(self._W, self._hbase)] + ([(self._dstate, self._hstate_dev)] if self._dstate is not None else [])
+        nback, src, dst = back.sum(), victim[out], old[out]
+        for dev, home in pairs:
+            LK.copy_rows(home, dst, dev, src, n, count=nback)
+        nin, src, dst = ok.sum(), rows[into], victim[into]
+        for dev, home in pairs:
+            LK.copy_rows(dev, dst, home, src, n, count=nin)
+        LK.settle(rows, victim, self._tags, self._stamp, self._dirty, now, self._counts[2:4])
+
+    def _post(self) -> None:
+        """Queue the copy of the counts (admitted, written back, whether a row was left out)
+        into host memory, for :meth:`_collect`."""
+        self.backend.download(self._mail, self._counts)
+        self._mail_fence = self.backend.fence()
+
+    def _collect(self) -> bool:
+        """Account the rows the last placement moved to the manager (after its work finished:
+        at once in the steady state, where a prefetch's thread waited for it); whether some
+        row of it found no way."""
+        if self._mail_fence is False:
+            return bool(self._mail[4])
+        self.backend.wait(self._mail_fence)
+        self._mail_fence = False
+        seen = np.array(self._mail[2:4])
         admitted, back = (int(d) for d in seen - self._seen)
         self._seen = seen
         self.rows_written_back += back
@@ -245,7 +277,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
             m.account(m.fast, m.slow, back * self._rowbytes, 0.0)
         if admitted:
             m.account(m.slow, m.fast, admitted * self._rowbytes, 0.0)
-        return admitted
+        return bool(self._mail[4])
 
     def _copy(self, drow: Any, srow: Any, n: int, down: bool, base: int = 0, state: bool = True) -> None:
         """Rows (and Adagrad's accumulator when ``state``) between the device arrays and the
@@ -351,6 +383,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
     def counts(self) -> np.ndarray:
         """Hits, misses, rows admitted (read from the device)."""
         self._join()
+        self._collect()
         return np.array(self.backend.to_host(self._counts[:3]))
 
     @property
@@ -366,6 +399,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         this returns."""
         self._check_open()
         self._join()
+        self._collect()
         self._finish_staging()
         xp = self.backend.xp
         d = xp.flatnonzero((self._tags >= 0) & self._dirty[:self._nslots])
@@ -446,6 +480,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
 
     def reset_counters(self) -> None:
         self._join()
+        self._collect()
         self._counts.fill(0)
         self._seen[:] = 0
 
