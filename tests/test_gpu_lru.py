@@ -335,69 +335,62 @@ def test_on_the_gpu_a_replaced_accumulator_is_no_longer_page_locked_and_host_cop
         assert not _page_locked(rt, p2)
 
 
+SPECS = [(3000, 600, 4), (5000, 512, 8), (800, 200, 4)]  # rows, cache rows, ways
+
+
+def trace_tables(m, together: bool, seed: int = 15) -> tuple[list, int]:
+    """Three lru tables trained for 9 steps with Adagrad (lookup, prefetch of the next batch,
+    update), prefetched ``together`` (one table-batched placement) or one table at a time: the
+    state of every table after every step (tags, stamps, dirty bits, counts, contents, the
+    accumulator), and for each prefetch how many functions did it and whether each placed every row."""
+    rng = np.random.default_rng(seed)
+    ts = [LRUCachedEmbeddings(rng.standard_normal((r, 16)).astype(np.float32), m, cache_rows=c, ways=w,
+                              staging_rows=2, name=f"t{i}") for i, (r, c, w) in enumerate(SPECS)]
+    batches = [[zipf_batch(rng, 64, 4, r) for r, _, _ in SPECS] for _ in range(10)]
+    opt = E.RowwiseAdagrad(0.1)
+    states, runs = [], []
+    for step in range(9):
+        for t, b in zip(ts, batches[step]):
+            E.lookup(t, b)
+        nxt = [b.ravel() for b in batches[step + 1]]
+        works = (LRUCachedEmbeddings.prefetch_works(ts, nxt) if together
+                 else [w for t, b in zip(ts, nxt) for w in LRUCachedEmbeddings.prefetch_works([t], [b])])
+        runs.append((len(works), [w() for w in works]))
+        for t, b in zip(ts, batches[step]):
+            E.pullback(t, rng.standard_normal((64, 16)).astype(np.float32), b, optimizer=opt)
+        states.append([tuple(np.array(a) for a in (_host(t._tags), _host(t._stamp), _host(t._dirty), t.counts,
+                                                    contents(t), opt.state(t))) for t in ts])  # copies, not views
+    for t in ts:
+        t.check()
+        t.close()
+    return states, runs
+
+
+def assert_same_traces(a: list, b: list) -> None:
+    for step, (x, y) in enumerate(zip(a, b)):
+        for i, (u, v) in enumerate(zip(x, y)):
+            for name, p, q in zip(("tags", "stamps", "dirty", "counts", "contents", "accumulator"), u, v):
+                np.testing.assert_array_equal(p, q, err_msg=f"step {step}, table {i}: {name}")
+
+
+def test_a_table_batched_prefetch_makes_each_tables_own_decisions():
+    together, runs = trace_tables(host_manager(), True)
+    alone, _ = trace_tables(host_manager(), False)
+    # all three placed at once (a row left out), and other placements where every row found a way
+    assert (1, [False]) in runs and any(True in r for _, r in runs)
+    assert_same_traces(together, alone)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
-def test_the_cuda_kernels_do_what_their_numpy_forms_do():
-    import cupy as cp
-    from embeddings.gpu import lru_kernels as LK
-    rng = np.random.default_rng(13)
-    sets, ways, n, F_, R = 50, 4, 3000, 8, 10_000
-    tags = np.full(sets * ways, -1, np.int64)
-    cached = rng.permutation(R)[:120]
-    for r in cached:  # a valid cache: each row in a free way of its own set
-        s = int(LK.set_of(np.array([r]), sets)[0])
-        free = np.flatnonzero(tags[s * ways:(s + 1) * ways] < 0)
-        if free.size:
-            tags[s * ways + free[0]] = r
-    stamp = np.append(rng.integers(0, 5, sets * ways), 0).astype(np.int32)
-    idx = np.where(rng.random(n) < 0.5, rng.choice(cached, n), rng.integers(0, R, n)).astype(np.int64)
-    st_h, st_d = stamp.copy(), cp.asarray(stamp)
-    slot, key = LK.probe(idx, tags, st_h, sets, ways, 9, R)
-    d_slot, d_key = LK.probe(cp.asarray(idx), cp.asarray(tags), st_d, sets, ways, 9, R)
-    for a, b in ((slot, d_slot), (key, d_key), (st_h, st_d)):
-        np.testing.assert_array_equal(a, b.get())
-    none = sets * R
-    order = np.argsort(key, kind="stable")
-    sk = key[order]
-    c_h, c_d = np.zeros(5, np.int64), cp.zeros(5, np.int64)
-    first, rows = LK.distinct(sk, R, none, c_h[0:2])
-    d_first, d_rows = LK.distinct(cp.asarray(sk), R, none, c_d[0:2])
-    for a, b in ((first, d_first), (rows, d_rows)):
-        np.testing.assert_array_equal(a, b.get())
-    assert c_h[0] == (slot >= 0).sum() and c_h[1] == (slot < 0).sum() and np.array_equal(c_h, c_d.get())
-    assert first.sum() == np.unique(idx[slot < 0]).size
-    pos = np.cumsum(first)
-    victim = LK.victims(sk, first, pos, R, st_h, ways, 8, c_h[4:5])
-    d_victim = LK.victims(cp.asarray(sk), cp.asarray(first), cp.asarray(pos), R, st_d, ways, 8, c_d[4:5])
-    np.testing.assert_array_equal(victim, d_victim.get())
-    assert c_h[4] == 1 and np.array_equal(c_h, c_d.get())  # more misses than ways in some set
-    assert np.all(victim[~first] == -1) and np.unique(victim[victim >= 0]).size == (victim >= 0).sum()
-    # copy_rows over the first `count` (a device scalar) of index arrays, rows and per-row values
-    new_rows = np.where(victim >= 0, rng.permutation(np.setdiff1d(np.arange(R), tags))[:n], -1).astype(np.int64)
-    dirty = np.append(rng.random(sets * ways) < 0.5, False)
-    by = np.argsort(np.where(victim >= 0, new_rows, R))
-    for shape in ((sets * ways + 1, F_), (sets * ways + 1,)):
-        dev = rng.standard_normal(shape).astype(np.float32)
-        home = rng.standard_normal((R,) + shape[1:]).astype(np.float32)
-        d_dev, d_home = cp.asarray(dev), cp.asarray(home)
-        cnt = (victim >= 0).sum()
-        LK.copy_rows(dev, victim[by], home, new_rows[by], n, count=cnt)
-        LK.copy_rows(d_dev, cp.asarray(victim[by]), d_home, cp.asarray(new_rows[by]), n, count=cp.asarray(cnt))
-        np.testing.assert_array_equal(dev, d_dev.get())
-        assert np.array_equal(dev[victim[victim >= 0]], home[new_rows[victim >= 0]])
-        LK.copy_rows(home, new_rows[victim >= 0][:50], dev, None, 50, sbase=3)
-        LK.copy_rows(d_home, cp.asarray(new_rows[victim >= 0][:50]), d_dev, None, 50, sbase=3)
-        np.testing.assert_array_equal(home, d_home.get())
-    t_h, s_h, k_h = tags.copy(), st_h.copy(), dirty.copy()
-    t_d, s_d, k_d = cp.asarray(tags), st_d.copy(), cp.asarray(dirty)
-    LK.settle(new_rows, victim, t_h, s_h, k_h, 11, c_h[2:4])
-    LK.settle(cp.asarray(new_rows), cp.asarray(victim), t_d, s_d, k_d, 11, c_d[2:4])
-    for a, b in ((t_h, t_d), (s_h, s_d), (k_h, k_d), (c_h, c_d)):
-        np.testing.assert_array_equal(a, b.get())
-    d_slot = cp.asarray(slot)
-    LK.slots(sk, order, victim, none, slot)
-    LK.slots(cp.asarray(sk), cp.asarray(order), cp.asarray(victim), none, d_slot)
-    np.testing.assert_array_equal(slot, d_slot.get())
+def test_the_table_batched_cuda_kernels_make_the_numpy_forms_decisions():
+    """Probe, count, distinct, victims, moves, both copies (rows and accumulators), settle and
+    slots on the GPU against their numpy forms: same state after every step."""
+    with gpu_manager() as gm:
+        on_gpu, runs = trace_tables(gm, True)
+    on_cpu, runs_cpu = trace_tables(host_manager(), True)
+    assert runs == runs_cpu and (1, [False]) in runs
+    assert_same_traces(on_gpu, on_cpu)
 
 
 @pytest.mark.gpu
@@ -523,19 +516,21 @@ def test_the_prefetcher_joins_every_table_before_raising_a_workers_error():
     class Failing:
         backend = ReferenceBackend()
 
-        def prefetch_work(self, idx):
+        @classmethod
+        def prefetch_works(cls, tables, idx):
             def work():
                 raise RuntimeError("device work failed")
-            return work
+            return [work]
 
     class Slow:
         backend = ReferenceBackend()
 
-        def prefetch_work(self, idx):
+        @classmethod
+        def prefetch_works(cls, tables, idx):
             def work():
                 finished.wait(0.2)
                 finished.set()
-            return work
+            return [work]
 
     pending = prefetcher.start([Failing(), Slow()], [np.zeros(1), np.zeros(1)], None)
     with pytest.raises(RuntimeError, match="device work failed"):

@@ -31,7 +31,7 @@ the base table is its own mapped view), which is what CI tests.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 import threading
 import weakref
 from typing import Any
@@ -48,11 +48,22 @@ from ..protocol import EmbeddingTable
 from . import ops
 from .backend import ReferenceBackend, cuda_backend
 from .cached import STAGING_ROWS, DeviceCache, host_base
+from . import lru_group as LG
 from . import lru_kernels as LK
 from .hbm import DeviceArrays
 
 WAYS = 16
 SLOT_BYTES = 8 + 4 + 1  # per slot beside its row: tag (int64), stamp (int32), dirty bit (bool)
+BOUNCE_ROWS = 65536  # default staging rows: one 45M-row table's ~64,000 reads of a DLRM batch (16384 x 20, Zipf(1))
+
+
+def default_staging_rows(nvectors: int, cache_rows: int) -> int:
+    """The staging area's default size: :data:`BOUNCE_ROWS`, at most the table's rows and at most
+    an eighth of the cache (but :data:`.cached.STAGING_ROWS` at least). Beside staging a batch's
+    rows that find no way, it is where a placement's reads land first (the bounce rows of
+    :func:`.lru_group.move`), so that they travel while the write-backs do; reads beyond it go
+    straight to their slots, after the write-backs."""
+    return min(BOUNCE_ROWS, int(nvectors), max(STAGING_ROWS, int(cache_rows) // 8))
 
 
 class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
@@ -60,13 +71,14 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
     (HBM on a GPU manager) in ``ways``-way sets, least recently used way evicted first. ``base``,
     ``manager``, ``cache_rows`` / ``cache_fraction`` as for :class:`embeddings.CachedEmbeddings`
     (the cache holds ``cache_rows`` rounded up to whole sets). Tables are float32.
-    ``staging_rows``: the staging area's initial size (it grows on demand)."""
+    ``staging_rows``: the staging area's initial size (it grows on demand; default
+    :func:`staging_rows`)."""
 
     policy = "lru"
     _inflight: threading.Event | None = None  # set when a background prefetch has finished
 
     def __init__(self, base: Any, manager: Manager | None = None, *, cache_rows: int | None = None,
-                 cache_fraction: float = 0.1, ways: int = WAYS, staging_rows: int = STAGING_ROWS,
+                 cache_fraction: float = 0.1, ways: int = WAYS, staging_rows: int | None = None,
                  name: str = "table") -> None:
         self.name = name
         self.base_array, self.manager, pin = C.open_base(base, manager, name)
@@ -83,7 +95,8 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
             self.ways = min(int(ways), rows)
             self.sets = -(-rows // self.ways)
             self._nslots = S = self.sets * self.ways
-            self._W = self._hbm.new((S + max(1, int(staging_rows)), F))
+            staging = default_staging_rows(nvectors, rows) if staging_rows is None else int(staging_rows)
+            self._W = self._hbm.new((S + max(1, staging), F))
             self.backend = ReferenceBackend() if isinstance(self._W, np.ndarray) else cuda_backend()
             self._tags = self._hbm.new((S,), np.int64)
             self._stamp = self._hbm.new((S,), np.int32)
@@ -150,7 +163,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         counted = ahead is not None and ahead[1] == self._generation and _same(ahead[0], flat)
         slots = ahead[2] if counted and not self._collect() else None  # _collect: the prefetch left a row out
         if slots is None:
-            slots = self._place(self.backend.asarray(flat).astype(np.int64, copy=False), stage=True, count=not counted)
+            slots = self._place(self.backend.asarray(flat).astype(np.int64, copy=False), count=not counted)
         self._inflight_stamp = self._clock
         dtype = np.int32 if self._W.shape[0] < 2 ** 31 else np.int64
         dbags = ops.upload_bags(self.backend, bags, offsets is not None, slots.astype(dtype, copy=False))
@@ -169,22 +182,30 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         returned function does the device work. It may run on another thread with its own
         stream, concurrently with the update of the batch in flight (whose slots it never
         touches), but before the next lookup of this table."""
-        flat = self.validate(indices, None, None, None).indices
-        self._join()
-        if self._staged.size:
-            return lambda: False
-        done = self._inflight = threading.Event()
+        return self.prefetch_works([self], [indices])[0]
 
-        def work() -> bool:
-            try:
-                slots = self._place(self.backend.asarray(flat).astype(np.int64, copy=False), stage=False)
-                self._ahead = (flat, self._generation, slots)
-                self.backend.sync()  # this thread's stream: every write of the prefetch has landed
-                return not self._collect()
-            finally:
-                self.backend.sync()
-                done.set()
-        return work
+    @classmethod
+    def prefetch_works(cls, tables: Sequence["LRUCachedEmbeddings"], indices: Sequence[Any]) -> list[Callable[[], bool]]:
+        """:meth:`prefetch_work` for several tables: every batch validated now (the first error
+        raises before any table is touched), then one function that places the batches of all
+        tables that can be placed together (:mod:`.lru_group`: same device, row size and
+        optimizer state) in one set of kernels, and one per other table. Each returns whether
+        every row of its tables found a slot."""
+        flats = [t.validate(idx, None, None, None).indices for t, idx in zip(tables, indices)]
+        works: list[Callable[[], bool]] = []
+        todo = []
+        for t, flat in zip(tables, flats):
+            t._join()
+            if t._staged.size:
+                works.append(lambda: False)
+            else:
+                todo.append((t, flat))
+        kinds: dict = {}
+        for t, flat in todo:
+            kinds.setdefault((t.backend.xp, t._W.shape[1], t._dstate is None), []).append((t, flat))
+        for group in kinds.values():
+            works.append(_place_work([t for t, _ in group], [f for _, f in group]))
+        return works
 
     def _join(self) -> None:
         """Wait for a prefetch of this table running on another thread. Every operation but the
@@ -194,65 +215,25 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
             self._inflight.wait()
             self._inflight = None
 
-    def _place(self, idx: Any, stage: bool, count: bool = True) -> Any:
-        """Slots for the flat device indices ``idx`` under a new stamp: hits stamped, misses
-        admitted into the least recently used unlocked ways of their sets, the rest staged, hits
-        and misses counted when ``count``. Without ``stage`` (a prefetch) the ways of the batch
-        in flight are locked too and nothing is staged: a row that found no way keeps slot -1
-        (:meth:`_collect` tells whether one did); such a placement evicts no row of the batch in
-        flight, so its resolution stays valid.
-
-        Everything is queued on the device with no wait for a size: arrays keep the batch's
-        length, entries that are not a set's distinct miss carry victim -1. The host waits only
-        to stage (``stage`` and some row found no way)."""
-        xp, S, sets, ways = self.backend.xp, self._nslots, self.sets, self.ways
+    def _place(self, idx: Any, count: bool = True) -> Any:
+        """Slots for the flat device indices ``idx`` under a new stamp (:func:`.lru_group.place`
+        for this table alone, the ways of this batch locked): hits stamped, misses admitted
+        into the least recently used ways of their sets, the rest staged; hits and misses
+        counted when ``count``. The host waits only to stage (when some row found no way)."""
+        xp = self.backend.xp
         self._collect()
         self._clock += 1
-        now = self._clock
-        lock = now if stage else (self._inflight_stamp or now)
         n = int(idx.size)
         if n == 0:
             return xp.empty(0, np.int64)
-        R = self.nvectors()
-        none = sets * R
-        self._counts[4] = 0
-        slot, key = LK.probe(idx, self._tags, self._stamp, sets, ways, now, R)
-        order = xp.argsort(key)  # misses by set, then row; hits last
-        sk = key[order]
-        first, rows = LK.distinct(sk, R, none, self._counts[0:2] if count else None)
-        victim = LK.victims(sk, first, xp.cumsum(first), R, self._stamp, ways, lock, self._counts[4:5])
-        self._admit(rows, victim, now)
-        if stage:
-            self._generation += 1
+        g = LG.Group([self], [n], [self._clock], [self._clock])
+        p = LG.place(g, idx, xp, count)
+        self._generation += 1
         self._post()
-        if stage and self._collect():
-            rest = xp.flatnonzero(first & (victim < 0))
-            victim[rest] = S + self._stage(rows[rest])
-        LK.slots(sk, order, victim, none, slot)
-        return slot
-
-    def _admit(self, rows: Any, victim: Any, now: int) -> None:
-        """Put ``rows[j]`` into slot ``victim[j]`` where that is not -1: the row it held written
-        back first if dirty, then the new row (and Adagrad's accumulator) read from the host.
-        Both copies go in the order of host addresses, and only over the rows that move (sorted
-        to the front; their number stays on the device): reading 64,000 random rows took 1.9 ms
-        in batch order, 1.2 ms in address order on the H100."""
-        xp, R = self.backend.xp, self.nvectors()
-        n = int(victim.size)
-        ok = victim >= 0
-        v = xp.maximum(victim, 0)
-        old = xp.where(ok, self._tags[v], -1)
-        back = (old >= 0) & self._dirty[v]
-        out = xp.argsort(xp.where(back, old, R))
-        into = xp.argsort(xp.where(ok, rows, R))
-        pairs = [(self._W, self._hbase)] + ([(self._dstate, self._hstate_dev)] if self._dstate is not None else [])
-        nback, src, dst = back.sum(), victim[out], old[out]
-        for dev, home in pairs:
-            LK.copy_rows(home, dst, dev, src, n, count=nback)
-        nin, src, dst = ok.sum(), rows[into], victim[into]
-        for dev, home in pairs:
-            LK.copy_rows(dev, dst, home, src, n, count=nin)
-        LK.settle(rows, victim, self._tags, self._stamp, self._dirty, now, self._counts[2:4])
+        if self._collect():
+            rest = xp.flatnonzero(p.first & (p.victim < 0))
+            p.victim[rest] = self._nslots + self._stage(p.row[rest])
+        return LG.slots(g, p)
 
     def _post(self) -> None:
         """Queue the copy of the counts (admitted, written back, whether a row was left out)
@@ -525,3 +506,36 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
 def _unmap(backend: Any, handle: Any, host: np.ndarray) -> None:
     """Undo a mapping of ``host`` (passed only to keep it alive until this runs)."""
     backend.unmap(handle)
+
+
+def _place_work(tables: list[LRUCachedEmbeddings], flats: list[np.ndarray]) -> Callable[[], bool]:
+    """The device work of prefetching ``flats[i]`` into ``tables[i]`` (validated, joined, none
+    with staged rows): each table is busy until it finishes (:meth:`~LRUCachedEmbeddings._join`)."""
+    events = []
+    for t in tables:
+        t._inflight = threading.Event()
+        events.append(t._inflight)
+
+    def work() -> bool:
+        be = tables[0].backend
+        try:
+            now, lock = [], []
+            for t in tables:
+                t._collect()
+                t._clock += 1
+                now.append(t._clock)
+                lock.append(t._inflight_stamp or t._clock)
+            g = LG.Group(tables, [f.size for f in flats], now, lock)
+            xp = be.xp
+            idx = xp.concatenate([be.asarray(f) for f in flats]).astype(np.int64, copy=False)
+            slots = LG.slots(g, LG.place(g, idx, xp))
+            for i, t in enumerate(tables):
+                t._post()
+                t._ahead = (flats[i], t._generation, slots[g.span(i)])
+            be.sync()  # this thread's stream: every write of the prefetch has landed
+            return not any([t._collect() for t in tables])
+        finally:
+            be.sync()
+            for ev in events:
+                ev.set()
+    return work

@@ -2,12 +2,11 @@
 
 ``start(tables, indices)`` validates each table's next batch in the calling thread (bad input
 raises there, before anything moves), then runs the device work of the tables that can do it
-off the caller's thread (:meth:`.lru.LRUCachedEmbeddings.prefetch_work`) on :data:`WORKERS`
-worker threads, one table at a time each, every thread on a CUDA stream of its own, after the
-work the caller has queued so far (the current batch's lookups): the row traffic of the next
-batch then overlaps the current batch's dense work and embedding update on the caller's
-stream, and one table's waits (each resolution synchronises for its sizes) overlap another's
-kernels. Those never touch the same slots: a prefetch locks
+off the caller's thread (:meth:`.lru.LRUCachedEmbeddings.prefetch_works`: the tables of one
+kind together, placed by one set of kernels where they can be) on :data:`WORKERS` worker
+threads, every thread on a CUDA stream of its own, after the work the caller has queued so far
+(the current batch's lookups): the row traffic of the next batch then overlaps the current
+batch's dense work and embedding update on the caller's stream. Those never touch the same slots: a prefetch locks
 the ways of the batch in flight. ``finish`` joins the worker and makes the caller's stream wait
 for it, so the next lookup sees every row in place. Tables without ``prefetch_work`` (the
 host-bookkept :class:`.cached.CachedEmbeddings`, whose bookkeeping runs numba on the host) are
@@ -35,12 +34,15 @@ def start(tables: Sequence[Any], indices: Sequence[Any], fallback: Callable[[Any
     """Prefetch ``indices[t]`` into ``tables[t]``: validated now, the device work in the
     background where a table offers it, else ``fallback(table, indices)`` now."""
     global _pool
-    works, backend = [], None
+    works, backend, kinds = [], None, {}
     for t, idx in zip(tables, indices):
-        if hasattr(t, "prefetch_work"):
-            works.append(t.prefetch_work(idx))
+        if hasattr(t, "prefetch_works"):
+            kinds.setdefault(type(t), []).append((t, idx))
             backend = t.backend
-        else:
+    for kind, items in kinds.items():
+        works += kind.prefetch_works([t for t, _ in items], [idx for _, idx in items])
+    for t, idx in zip(tables, indices):
+        if not hasattr(t, "prefetch_works"):
             fallback(t, idx)
     if not works:
         return None

@@ -1,0 +1,383 @@
+"""Placing the next batch of several ``lru`` tables at once (the table-batched prefetch).
+
+One table's placement (:meth:`.lru.LRUCachedEmbeddings._place`) is a dozen small device steps
+over its batch; for the eight tables of a DLRM step that is a hundred launches, eight sorts and
+sixteen copy kernels, and their fixed costs, not the rows moved, decided the step time. Here the
+tables' batches are placed together, as FBGEMM's table-batched embeddings do: one probe over
+the concatenated indices, one sort of keys that number the sets of all tables one after the
+other (so each table's misses stay grouped by set, the tables one after the other), one victim
+selection, one write-back and one read kernel over the rows that move (the reads into each
+table's staging area, empty during a placement, on a second stream, so that both directions of
+PCIe carry rows at once; then landed in their slots), one settle. Each
+kernel finds its table's parameters and arrays (tags, stamps, dirty bits, rows, the mapped base
+table, Adagrad's accumulators) in a small table of pointers, :attr:`Group.dev`.
+
+The decisions are the per-table ones: a row's set, its rank among its set's misses, the way it
+takes, what goes home, all as if each table had been placed alone; the numpy forms below place
+table by table with :mod:`.lru_kernels` and are what CI runs, and a GPU test compares the two.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import lru_kernels as LK
+
+SOURCE = LK.SOURCE_HEAD + r"""
+/* per table, a row of NF int64: parameters, then device pointers */
+#define NF 16
+enum { P_SETS, P_WAYS, P_R, P_SBASE, P_NOW, P_LOCK, P_TAGS, P_STAMP, P_DIRTY, P_COUNTS, P_W, P_HOME, P_DSTATE,
+       P_HSTATE, P_SLOTS, P_CAP };
+
+__device__ __forceinline__ int table_of(const i64* bounds, int T, i64 x) {  /* last t with bounds[t] <= x */
+    int lo = 0, hi = T - 1;
+    while (lo < hi) { int mid = (lo + hi + 1) >> 1; if (bounds[mid] <= x) lo = mid; else hi = mid - 1; }
+    return lo;
+}
+
+extern "C" __global__ void tb_probe(const i64* idx, i64 n, const i64* off, int T, const i64* tabs, i64 Rmax, i64 none,
+                                    i64* slot, i64* key) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const i64* P = tabs + table_of(off, T, i) * NF;
+        const i64* tags = (const i64*)P[P_TAGS];
+        int ways = (int)P[P_WAYS];
+        i64 r = idx[i], s = set_of(r, P[P_SETS]), first = s * ways, found = -1;
+        for (int w = 0; w < ways; ++w) if (tags[first + w] == r) { found = first + w; break; }
+        if (found >= 0) ((int*)P[P_STAMP])[found] = (int)P[P_NOW];
+        slot[i] = found;
+        key[i] = found >= 0 ? none : (P[P_SBASE] + s) * Rmax + r;
+    }
+}
+
+/* one thread per table: its hits and misses (misses: sorted keys inside its sets' range) */
+extern "C" __global__ void tb_count(const i64* sk, i64 n, const i64* off, const i64* sbase, int T, const i64* tabs,
+                                    i64 Rmax) {
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= T) return;
+    i64 misses = lower_bound(sk, n, sbase[t + 1] * Rmax) - lower_bound(sk, n, sbase[t] * Rmax);
+    unsigned long long* counts = (unsigned long long*)tabs[t * NF + P_COUNTS];
+    counts[0] += (unsigned long long)(off[t + 1] - off[t] - misses);
+    counts[1] += (unsigned long long)misses;
+}
+
+extern "C" __global__ void tb_victims(const i64* sk, const bool* first, const i64* pos, i64 n, const i64* sbase, int T,
+                                      const i64* tabs, i64 Rmax, i64* victim, i64* tid) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        i64 v = -1, t = -1;
+        if (first[i]) {
+            i64 g = sk[i] / Rmax;
+            t = table_of(sbase, T, g);
+            const i64* P = tabs + t * NF;
+            const int* stamp = (const int*)P[P_STAMP];
+            int ways = (int)P[P_WAYS], lock = (int)P[P_LOCK];
+            i64 base = (g - sbase[t]) * ways, k = pos[i] - pos[lower_bound(sk, n, g * Rmax)];
+            if (k < ways) {
+                for (int w = 0; w < ways; ++w) {
+                    i64 key = (i64)stamp[base + w] * ways + w;
+                    int below = 0;
+                    for (int u = 0; u < ways; ++u) below += ((i64)stamp[base + u] * ways + u) < key;
+                    if (below == k) { if (stamp[base + w] < lock) v = base + w; break; }
+                }
+            }
+            if (v < 0) ((long long*)P[P_COUNTS])[4] = 1;
+        }
+        victim[i] = v;
+        tid[i] = t;
+    }
+}
+
+/* for each victim: the row it holds if that goes home (dirty), and keys that order the write-backs
+   and the reads by (table, row): host address order within each table; cnt += write-backs, reads */
+extern "C" __global__ void tb_moves(const i64* victim, const i64* tid, const i64* row, i64 n, const i64* tabs,
+                                    i64 Rmax, i64 big, i64* old, i64* wkey, i64* rkey, unsigned long long* cnt) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        i64 v = victim[i], o = -1, wk = big, rk = big;
+        if (v >= 0) {
+            i64 t = tid[i];
+            const i64* P = tabs + t * NF;
+            i64 held = ((const i64*)P[P_TAGS])[v];
+            if (held >= 0 && ((const bool*)P[P_DIRTY])[v]) { o = held; wk = t * Rmax + held; atomicAdd(&cnt[0], 1ull); }
+            rk = t * Rmax + row[i];
+            atomicAdd(&cnt[1], 1ull);
+        }
+        old[i] = o; wkey[i] = wk; rkey[i] = rk;
+    }
+}
+
+/* one thread per table: where its moves start in a list sorted by (table, row) keys */
+extern "C" __global__ void tb_starts(const i64* skeys, const i64* count, int T, i64 Rmax, i64* start) {
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t < T) start[t] = lower_bound(skeys, *count, (i64)t * Rmax);
+}
+
+/* the first *count moves j: slot slot[j] of table tab[j], its host row hrow[j]. mode 0: write the
+   slot's row home; 1: read the host row into the table's bounce rows (the staging area after the
+   slots: the k-th read of a table, k = j - start[t], if k < its capacity); 2: land each read in
+   its slot, from the bounce rows or (past their capacity) from the host */
+#define TB_MOVE(NAME, T_) \
+extern "C" __global__ void NAME(const i64* slot, const i64* tab, const i64* hrow, const i64* count, const i64* start, \
+                                i64 n, int FT, const i64* tabs, int devf, int homef, int mode) { \
+    if (*count < n) n = *count; \
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n * FT; i += (i64)gridDim.x * blockDim.x) { \
+        i64 j = i / FT, c = i - j * FT, t = tab[j]; \
+        const i64* P = tabs + t * NF; \
+        T_* dev = (T_*)P[devf]; T_* home = (T_*)P[homef]; \
+        if (!dev) continue; \
+        if (mode == 0) { home[hrow[j] * FT + c] = dev[slot[j] * FT + c]; continue; } \
+        i64 k = j - start[t], b = P[P_SLOTS] + k; \
+        bool bounced = k < P[P_CAP]; \
+        if (mode == 1) { if (bounced) dev[b * FT + c] = home[hrow[j] * FT + c]; } \
+        else dev[slot[j] * FT + c] = bounced ? dev[b * FT + c] : home[hrow[j] * FT + c]; } }
+TB_MOVE(tb_move_v4, float4)
+TB_MOVE(tb_move_v1, float)
+
+extern "C" __global__ void tb_settle(const i64* row, const i64* victim, const i64* tid, i64 n, const i64* tabs) {
+    for (i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += (i64)gridDim.x * blockDim.x) {
+        i64 v = victim[j];
+        if (v < 0) continue;
+        const i64* P = tabs + tid[j] * NF;
+        i64* tags = (i64*)P[P_TAGS];
+        bool* dirty = (bool*)P[P_DIRTY];
+        unsigned long long* counts = (unsigned long long*)P[P_COUNTS];
+        atomicAdd(&counts[2], 1ull);
+        if (tags[v] >= 0 && dirty[v]) atomicAdd(&counts[3], 1ull);
+        tags[v] = row[j]; ((int*)P[P_STAMP])[v] = (int)P[P_NOW]; dirty[v] = false;
+    }
+}
+"""
+
+NF = 16
+P_W, P_HOME, P_DSTATE, P_HSTATE = 10, 11, 12, 13
+WRITE_BACK, BOUNCE, LAND = 0, 1, 2  # what a move does (tb_move)
+LAND_BLOCKS = 1024  # landing reads HBM (the bounce rows) but for overflow
+
+
+@lru_cache(maxsize=1)
+def _module() -> Any:
+    import cupy as cp
+    return cp.RawModule(code=SOURCE, options=("--std=c++14",))
+
+
+def _launch(name: str, work: int, args: tuple, most: int = 65536) -> None:
+    block = 256
+    _module().get_function(name)((max(1, min(most, -(-work // block))),), (block,), args)
+
+
+def _ptr(a: Any) -> int:
+    return 0 if a is None else int(a.data.ptr)
+
+
+class Group:
+    """The tables placed together and what the kernels need of them: entry offsets ``off`` (each
+    table's indices, one after the other), set offsets ``sbase`` (each table's sets numbered
+    after the previous table's), this placement's stamp ``now`` and ``lock`` per table, and on a
+    GPU the pointer table :attr:`dev`. Keys are ``(sbase[t] + set) * Rmax + row``; ``none``
+    (above every key) marks a hit."""
+
+    def __init__(self, tables: list, sizes: list[int], now: list[int], lock: list[int]) -> None:
+        self.tables, self.now, self.lock = tables, now, lock
+        self.T = len(tables)
+        self.off = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.sbase = np.concatenate([[0], np.cumsum([t.sets for t in tables])]).astype(np.int64)
+        self.Rmax = max(t.nvectors() for t in tables)
+        self.none = int(self.sbase[-1]) * self.Rmax
+        self.host = isinstance(tables[0]._tags, np.ndarray)
+        self.dev = self.doff = self.dsbase = None
+        if not self.host:
+            import cupy as cp
+            rows = [[t.sets, t.ways, t.nvectors(), int(self.sbase[i]), now[i], lock[i],
+                     _ptr(t._tags), _ptr(t._stamp), _ptr(t._dirty), _ptr(t._counts), _ptr(t._W), _ptr(t._hbase),
+                     _ptr(t._dstate), _ptr(t._hstate_dev if t._dstate is not None else None),
+                     t._nslots, t._W.shape[0] - t._nslots]
+                    for i, t in enumerate(tables)]
+            self.dev = cp.asarray(np.array(rows, np.int64))
+            self.doff, self.dsbase = cp.asarray(self.off), cp.asarray(self.sbase)
+
+    def span(self, t: int) -> slice:
+        return slice(int(self.off[t]), int(self.off[t + 1]))
+
+    def local(self, sk: np.ndarray, t: int) -> tuple[slice, np.ndarray]:
+        """Table ``t``'s range of sorted keys and those keys as its own placement numbers them."""
+        lo, hi = np.searchsorted(sk, self.sbase[t:t + 2] * self.Rmax)
+        k = sk[lo:hi]
+        tb = self.tables[t]
+        return slice(int(lo), int(hi)), (k // self.Rmax - self.sbase[t]) * tb.nvectors() + k % self.Rmax
+
+
+def probe(g: Group, idx: Any) -> tuple[Any, Any]:
+    """:func:`.lru_kernels.probe` for every table's entries, with the group's keys."""
+    n = int(idx.size)
+    if g.host:
+        slot, key = np.empty(n, np.int64), np.full(n, g.none, np.int64)
+        for t, tb in enumerate(g.tables):
+            s = g.span(t)
+            slot[s], k = LK.probe(idx[s], tb._tags, tb._stamp, tb.sets, tb.ways, g.now[t], tb.nvectors())
+            miss = slot[s] < 0
+            R = tb.nvectors()
+            key[s] = np.where(miss, (k // R + g.sbase[t]) * g.Rmax + k % R, g.none)
+        return slot, key
+    import cupy as cp
+    slot, key = cp.empty(n, np.int64), cp.empty(n, np.int64)
+    _launch("tb_probe", n, (idx, np.int64(n), g.doff, np.int32(g.T), g.dev, np.int64(g.Rmax), np.int64(g.none),
+                            slot, key))
+    return slot, key
+
+
+def count(g: Group, sk: Any) -> None:
+    """Add each table's hits and misses to its counts."""
+    if g.host:
+        for t, tb in enumerate(g.tables):
+            s, _ = g.local(sk, t)
+            misses = s.stop - s.start
+            tb._counts[0] += int(g.off[t + 1] - g.off[t]) - misses
+            tb._counts[1] += misses
+        return
+    _launch("tb_count", g.T, (sk, np.int64(sk.size), g.doff, g.dsbase, np.int32(g.T), g.dev, np.int64(g.Rmax)))
+
+
+def victims(g: Group, sk: Any, first: Any, pos: Any) -> tuple[Any, Any]:
+    """Each distinct miss's victim slot in its table (:func:`.lru_kernels.victims`) and its table."""
+    n = int(sk.size)
+    if g.host:
+        victim, tid = np.full(n, -1, np.int64), np.full(n, -1, np.int64)
+        for t, tb in enumerate(g.tables):
+            s, k = g.local(sk, t)
+            victim[s] = LK.victims(k, first[s], pos[s], tb.nvectors(), tb._stamp, tb.ways, g.lock[t], tb._counts[4:5])
+            tid[s] = np.where(first[s], t, -1)
+        return victim, tid
+    import cupy as cp
+    victim, tid = cp.empty(n, np.int64), cp.empty(n, np.int64)
+    _launch("tb_victims", n, (sk, first, pos, np.int64(n), g.dsbase, np.int32(g.T), g.dev, np.int64(g.Rmax),
+                              victim, tid))
+    return victim, tid
+
+
+def moves(g: Group, victim: Any, tid: Any, row: Any) -> tuple[Any, Any, Any, Any]:
+    """(the row each victim holds if it goes home else -1, keys ordering the write-backs and the
+    reads by table and row, [write-backs, reads] counted on the device)."""
+    n = int(victim.size)
+    big = g.T * g.Rmax
+    if g.host:
+        old, wkey, rkey = np.full(n, -1, np.int64), np.full(n, big, np.int64), np.full(n, big, np.int64)
+        for t, tb in enumerate(g.tables):
+            at = np.flatnonzero((tid == t) & (victim >= 0))
+            v = victim[at]
+            held = tb._tags[v]
+            back = (held >= 0) & tb._dirty[v]
+            old[at[back]] = held[back]
+            wkey[at[back]] = t * g.Rmax + held[back]
+            rkey[at] = t * g.Rmax + row[at]
+        return old, wkey, rkey, np.array([(old >= 0).sum(), (victim >= 0).sum()], np.int64)
+    import cupy as cp
+    old, wkey, rkey, cnt = cp.empty(n, np.int64), cp.empty(n, np.int64), cp.empty(n, np.int64), cp.zeros(2, np.int64)
+    _launch("tb_moves", n, (victim, tid, row, np.int64(n), g.dev, np.int64(g.Rmax), np.int64(big), old, wkey, rkey,
+                            cnt))
+    return old, wkey, rkey, cnt
+
+
+def starts(g: Group, keys: Any, count: Any) -> Any:
+    """Where each table's moves start in ``keys`` (sorted (table, row) keys, the first ``count``
+    valid)."""
+    if g.host:
+        return np.searchsorted(keys[:int(count[0])], np.arange(g.T) * g.Rmax)
+    import cupy as cp
+    out = cp.empty(g.T, np.int64)
+    _launch("tb_starts", g.T, (keys, count, np.int32(g.T), np.int64(g.Rmax), out))
+    return out
+
+
+def move(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, mode: int, start: Any = None) -> None:
+    """The first ``count`` moves ``j``: rows (and Adagrad's accumulators) of slot ``slot[j]`` of
+    table ``tab[j]`` and host row ``hrow[j]``. :data:`WRITE_BACK`: slot to host. :data:`BOUNCE`:
+    host to the table's bounce rows (its staging area, empty during a placement; the ``k``-th
+    read of a table, ``k = j - start[table]``, while ``k`` is below the area's size), which can
+    run while the write-backs do (PCIe carries both directions at once). :data:`LAND`: each
+    read into its slot, from the bounce rows, or from the host past their capacity."""
+    if g.host:
+        c = int(count[0])
+        for t, tb in enumerate(g.tables):
+            at = np.flatnonzero(tab[:c] == t)
+            k = at - (start[t] if start is not None else 0)
+            b, bounced = tb._nslots + k, k < tb._W.shape[0] - tb._nslots
+            pairs = [(tb._W, tb._hbase)] + ([(tb._dstate, tb._hstate_dev)] if tb._dstate is not None else [])
+            for dev, home in pairs:
+                if mode == WRITE_BACK:
+                    home[hrow[at]] = dev[slot[at]]
+                elif mode == BOUNCE:
+                    dev[b[bounced]] = home[hrow[at[bounced]]]
+                else:
+                    dev[slot[at[bounced]]] = dev[b[bounced]]
+                    dev[slot[at[~bounced]]] = home[hrow[at[~bounced]]]
+        return
+    n = int(slot.size)
+    F = g.tables[0]._W.shape[1]
+    vt, FT = LK._vec(F, *(a for tb in g.tables for a in (tb._W, tb._hbase)))
+    blocks = LAND_BLOCKS if mode == LAND else LK.HOST_BLOCKS
+    for name, ft, devf, homef in ((f"tb_move_{vt}", FT, P_W, P_HOME), ("tb_move_v1", 1, P_DSTATE, P_HSTATE)):
+        if devf == P_DSTATE and all(tb._dstate is None for tb in g.tables):
+            continue
+        _launch(name, n * ft, (slot, tab, hrow, count, LK._NULL if start is None else start, np.int64(n),
+                               np.int32(ft), g.dev, np.int32(devf), np.int32(homef), np.int32(mode)), blocks)
+
+
+def settle(g: Group, row: Any, victim: Any, tid: Any) -> None:
+    """:func:`.lru_kernels.settle` for every table's victims."""
+    if g.host:
+        for t, tb in enumerate(g.tables):
+            at = tid == t
+            LK.settle(row[at], victim[at], tb._tags, tb._stamp, tb._dirty, g.now[t], tb._counts[2:4])
+        return
+    _launch("tb_settle", int(victim.size), (row, victim, tid, np.int64(victim.size), g.dev))
+
+
+class Placement(NamedTuple):
+    """What :func:`place` leaves for :func:`slots` (and for staging what found no way): sorted
+    keys, the sort, each sorted entry's distinct-miss flag, row and victim slot."""
+    slot: Any
+    sk: Any
+    order: Any
+    first: Any
+    row: Any
+    victim: Any
+
+
+def place(g: Group, idx: Any, xp: Any, counted: bool = True) -> Placement:
+    """Place every table's batch: hits stamped, each table's distinct misses into the least
+    recently used ways of their sets whose stamps are below its ``lock``, the rows they held
+    written home if dirty and the new rows read in, in host-address order over the rows that
+    move only (their number stays on the device). A row that finds no way keeps victim -1 and
+    sets its table's left-out flag (``_counts[4]``). Hits and misses are counted when
+    ``counted``. Nothing waits for a size on the host."""
+    for tb in g.tables:
+        tb._counts[4] = 0
+    slot, key = probe(g, idx)
+    order = xp.argsort(key)
+    sk = key[order]
+    if counted:
+        count(g, sk)
+    first, row = LK.distinct(sk, g.Rmax, g.none)
+    victim, tid = victims(g, sk, first, xp.cumsum(first))
+    old, wkey, rkey, cnt = moves(g, victim, tid, row)
+    out, into = xp.argsort(wkey), xp.argsort(rkey)
+    reads = (victim[into], tid[into], row[into], cnt[1:2])
+    start = starts(g, rkey[into], cnt[1:2])
+    be = g.tables[0].backend
+    ready = be.fence()
+    with be.side():  # the reads travel to the bounce rows while the write-backs travel home
+        be.follow(ready)
+        move(g, *reads, BOUNCE, start)
+        read = be.fence()
+    move(g, victim[out], tid[out], old[out], cnt[0:1], WRITE_BACK)
+    be.follow(read)
+    move(g, *reads, LAND, start)
+    settle(g, row, victim, tid)
+    return Placement(slot, sk, order, first, row, victim)
+
+
+def slots(g: Group, p: Placement) -> Any:
+    """The slot of every entry: a hit's from the probe, a miss's its distinct miss's victim."""
+    LK.slots(p.sk, p.order, p.victim, g.none, p.slot)
+    return p.slot
