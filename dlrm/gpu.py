@@ -17,10 +17,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from cachedarrays import parse_size
-from embeddings.cached import cache_size
 from embeddings.gpu import prefetcher
 from embeddings.gpu.cached import STAGING_ROWS, STATE_BYTES, prefetch
-from embeddings.gpu.lru import SLOT_BYTES, WAYS, default_staging_rows
+from embeddings.gpu.lru import SLOT_BYTES, WAYS
 
 SLACK = 64 << 20  # bytes a level keeps beyond what is counted (alignment, small objects)
 
@@ -55,7 +54,7 @@ def hbm_need(policy: str, sizes: Sequence[int], featuresize: int, cache_rows: Se
     per_row = featuresize * 4 + STATE_BYTES
     if policy == "lru":
         slots = sum(-(-int(c) // WAYS) * WAYS for c in cache_rows)
-        return (per_row + SLOT_BYTES) * slots + per_row * sum(default_staging_rows(n, c) for n, c in zip(sizes, cache_rows))
+        return (per_row + SLOT_BYTES) * slots + per_row * STAGING_ROWS * len(sizes)
     cached = 0 if policy == "simple" else sum(int(c) for c in cache_rows)
     return per_row * (cached + STAGING_ROWS * len(sizes))
 
@@ -112,19 +111,11 @@ def finish_prefetch(pending: Any) -> None:
 
 def cache_fraction_for(budget: int, policy: str, sizes: Sequence[int], featuresize: int) -> float:
     """The largest cache fraction whose cache and staging rows (:func:`hbm_need`) fit in
-    ``budget`` bytes beside :data:`SLACK`: how much of the tables a budget can cache (by
-    bisection: ``lru``'s staging rows grow with its cache)."""
-    room = budget - SLACK
-
-    def fits(f: float) -> bool:
-        return hbm_need(policy, sizes, featuresize, [cache_size(None, f, int(n), "table") for n in sizes]) <= room
-
-    if not fits(0.0):
+    ``budget`` bytes beside :data:`SLACK`: how much of the tables a budget can cache."""
+    rows = sum(int(n) for n in sizes)
+    spare = budget - SLACK - hbm_need(policy, sizes, featuresize, [0] * len(sizes))
+    if spare <= 0:
         return 0.0
-    if fits(1.0):
-        return 1.0
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    per_row = featuresize * 4 + STATE_BYTES + (SLOT_BYTES if policy == "lru" else 0)
+    spare -= (WAYS * per_row * len(sizes) if policy == "lru" else 0)  # each table's last set, rounded up
+    return max(0.0, min(1.0, spare / (rows * per_row)))

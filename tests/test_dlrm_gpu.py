@@ -38,13 +38,7 @@ def test_hbm_need_counts_tables_or_cache_and_staging_rows():
     assert gpu.hbm_need("simple", sizes, F, rows) == 2 * gpu.STAGING_ROWS * per_row
     # lru: each cache rounded up to whole sets of WAYS slots, each slot with its tag, stamp and dirty bit
     slots = 16 + 112 if gpu.WAYS == 16 else None
-    # and staging rows that double as the bounce rows of a placement's reads: BOUNCE_ROWS, at most the
-    # table's rows and an eighth of the cache, but STAGING_ROWS at least
-    assert gpu.hbm_need("lru", sizes, F, rows) == (per_row + gpu.SLOT_BYTES) * slots + (100 + 1000) * per_row
-    from embeddings.gpu.lru import BOUNCE_ROWS
-    big = (per_row + gpu.SLOT_BYTES) * 8_000_000
-    assert gpu.hbm_need("lru", [10 ** 7], F, [8_000_000]) == big + BOUNCE_ROWS * per_row
-    assert gpu.hbm_need("lru", [10 ** 7], F, [160]) == (per_row + gpu.SLOT_BYTES) * 160 + gpu.STAGING_ROWS * per_row
+    assert gpu.hbm_need("lru", sizes, F, rows) == (per_row + gpu.SLOT_BYTES) * slots + 2 * gpu.STAGING_ROWS * per_row
 
 
 def test_resolve_budget_reads_percentages_of_the_tables_and_refuses_too_little():

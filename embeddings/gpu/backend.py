@@ -93,9 +93,6 @@ class ReferenceBackend:
     def stream(self) -> Any:
         return contextlib.nullcontext()
 
-    def side(self) -> Any:
-        return contextlib.nullcontext()
-
     def follow(self, fence: Any) -> None:
         pass
 
@@ -249,14 +246,6 @@ class CudaBackend:
         st = getattr(self._local, "stream", None)
         if st is None:
             st = self._local.stream = self.xp.cuda.Stream(non_blocking=True)
-        return st
-
-    def side(self) -> Any:
-        """A second stream of this thread (a context, as :meth:`stream`): work that may overlap
-        the thread's own, ordered against it by :meth:`fence` and :meth:`follow`."""
-        st = getattr(self._local, "side", None)
-        if st is None:
-            st = self._local.side = self.xp.cuda.Stream(non_blocking=True)
         return st
 
     def follow(self, fence: Any) -> None:

@@ -54,16 +54,6 @@ from .hbm import DeviceArrays
 
 WAYS = 16
 SLOT_BYTES = 8 + 4 + 1  # per slot beside its row: tag (int64), stamp (int32), dirty bit (bool)
-BOUNCE_ROWS = 65536  # default staging rows: one 45M-row table's ~64,000 reads of a DLRM batch (16384 x 20, Zipf(1))
-
-
-def default_staging_rows(nvectors: int, cache_rows: int) -> int:
-    """The staging area's default size: :data:`BOUNCE_ROWS`, at most the table's rows and at most
-    an eighth of the cache (but :data:`.cached.STAGING_ROWS` at least). Beside staging a batch's
-    rows that find no way, it is where a placement's reads land first (the bounce rows of
-    :func:`.lru_group.move`), so that they travel while the write-backs do; reads beyond it go
-    straight to their slots, after the write-backs."""
-    return min(BOUNCE_ROWS, int(nvectors), max(STAGING_ROWS, int(cache_rows) // 8))
 
 
 class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
@@ -71,14 +61,13 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
     (HBM on a GPU manager) in ``ways``-way sets, least recently used way evicted first. ``base``,
     ``manager``, ``cache_rows`` / ``cache_fraction`` as for :class:`embeddings.CachedEmbeddings`
     (the cache holds ``cache_rows`` rounded up to whole sets). Tables are float32.
-    ``staging_rows``: the staging area's initial size (it grows on demand; default
-    :func:`staging_rows`)."""
+    ``staging_rows``: the staging area's initial size (it grows on demand)."""
 
     policy = "lru"
     _inflight: threading.Event | None = None  # set when a background prefetch has finished
 
     def __init__(self, base: Any, manager: Manager | None = None, *, cache_rows: int | None = None,
-                 cache_fraction: float = 0.1, ways: int = WAYS, staging_rows: int | None = None,
+                 cache_fraction: float = 0.1, ways: int = WAYS, staging_rows: int = STAGING_ROWS,
                  name: str = "table") -> None:
         self.name = name
         self.base_array, self.manager, pin = C.open_base(base, manager, name)
@@ -95,8 +84,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
             self.ways = min(int(ways), rows)
             self.sets = -(-rows // self.ways)
             self._nslots = S = self.sets * self.ways
-            staging = default_staging_rows(nvectors, rows) if staging_rows is None else int(staging_rows)
-            self._W = self._hbm.new((S + max(1, staging), F))
+            self._W = self._hbm.new((S + max(1, int(staging_rows)), F))
             self.backend = ReferenceBackend() if isinstance(self._W, np.ndarray) else cuda_backend()
             self._tags = self._hbm.new((S,), np.int64)
             self._stamp = self._hbm.new((S,), np.int32)

@@ -6,9 +6,7 @@ sixteen copy kernels, and their fixed costs, not the rows moved, decided the ste
 tables' batches are placed together, as FBGEMM's table-batched embeddings do: one probe over
 the concatenated indices, one sort of keys that number the sets of all tables one after the
 other (so each table's misses stay grouped by set, the tables one after the other), one victim
-selection, one write-back and one read kernel over the rows that move (the reads into each
-table's staging area, empty during a placement, on a second stream, so that both directions of
-PCIe carry rows at once; then landed in their slots), one settle. Each
+selection, one write-back and one read kernel over the rows that move, one settle. Each
 kernel finds its table's parameters and arrays (tags, stamps, dirty bits, rows, the mapped base
 table, Adagrad's accumulators) in a small table of pointers, :attr:`Group.dev`.
 
@@ -28,9 +26,9 @@ from . import lru_kernels as LK
 
 SOURCE = LK.SOURCE_HEAD + r"""
 /* per table, a row of NF int64: parameters, then device pointers */
-#define NF 16
+#define NF 14
 enum { P_SETS, P_WAYS, P_R, P_SBASE, P_NOW, P_LOCK, P_TAGS, P_STAMP, P_DIRTY, P_COUNTS, P_W, P_HOME, P_DSTATE,
-       P_HSTATE, P_SLOTS, P_CAP };
+       P_HSTATE };
 
 __device__ __forceinline__ int table_of(const i64* bounds, int T, i64 x) {  /* last t with bounds[t] <= x */
     int lo = 0, hi = T - 1;
@@ -107,30 +105,18 @@ extern "C" __global__ void tb_moves(const i64* victim, const i64* tid, const i64
     }
 }
 
-/* one thread per table: where its moves start in a list sorted by (table, row) keys */
-extern "C" __global__ void tb_starts(const i64* skeys, const i64* count, int T, i64 Rmax, i64* start) {
-    int t = blockIdx.x * blockDim.x + threadIdx.x;
-    if (t < T) start[t] = lower_bound(skeys, *count, (i64)t * Rmax);
-}
-
-/* the first *count moves j: slot slot[j] of table tab[j], its host row hrow[j]. mode 0: write the
-   slot's row home; 1: read the host row into the table's bounce rows (the staging area after the
-   slots: the k-th read of a table, k = j - start[t], if k < its capacity); 2: land each read in
-   its slot, from the bounce rows or (past their capacity) from the host */
+/* the first *count moves j: slot slot[j] of table tab[j] <-> its host row hrow[j] (down: to the host) */
 #define TB_MOVE(NAME, T_) \
-extern "C" __global__ void NAME(const i64* slot, const i64* tab, const i64* hrow, const i64* count, const i64* start, \
-                                i64 n, int FT, const i64* tabs, int devf, int homef, int mode) { \
+extern "C" __global__ void NAME(const i64* slot, const i64* tab, const i64* hrow, const i64* count, i64 n, int FT, \
+                                const i64* tabs, int devf, int homef, int down) { \
     if (*count < n) n = *count; \
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n * FT; i += (i64)gridDim.x * blockDim.x) { \
-        i64 j = i / FT, c = i - j * FT, t = tab[j]; \
-        const i64* P = tabs + t * NF; \
+        i64 j = i / FT, c = i - j * FT; \
+        const i64* P = tabs + tab[j] * NF; \
         T_* dev = (T_*)P[devf]; T_* home = (T_*)P[homef]; \
         if (!dev) continue; \
-        if (mode == 0) { home[hrow[j] * FT + c] = dev[slot[j] * FT + c]; continue; } \
-        i64 k = j - start[t], b = P[P_SLOTS] + k; \
-        bool bounced = k < P[P_CAP]; \
-        if (mode == 1) { if (bounced) dev[b * FT + c] = home[hrow[j] * FT + c]; } \
-        else dev[slot[j] * FT + c] = bounced ? dev[b * FT + c] : home[hrow[j] * FT + c]; } }
+        if (down) home[hrow[j] * FT + c] = dev[slot[j] * FT + c]; \
+        else dev[slot[j] * FT + c] = home[hrow[j] * FT + c]; } }
 TB_MOVE(tb_move_v4, float4)
 TB_MOVE(tb_move_v1, float)
 
@@ -149,10 +135,8 @@ extern "C" __global__ void tb_settle(const i64* row, const i64* victim, const i6
 }
 """
 
-NF = 16
+NF = 14
 P_W, P_HOME, P_DSTATE, P_HSTATE = 10, 11, 12, 13
-WRITE_BACK, BOUNCE, LAND = 0, 1, 2  # what a move does (tb_move)
-LAND_BLOCKS = 1024  # landing reads HBM (the bounce rows) but for overflow
 
 
 @lru_cache(maxsize=1)
@@ -190,8 +174,7 @@ class Group:
             import cupy as cp
             rows = [[t.sets, t.ways, t.nvectors(), int(self.sbase[i]), now[i], lock[i],
                      _ptr(t._tags), _ptr(t._stamp), _ptr(t._dirty), _ptr(t._counts), _ptr(t._W), _ptr(t._hbase),
-                     _ptr(t._dstate), _ptr(t._hstate_dev if t._dstate is not None else None),
-                     t._nslots, t._W.shape[0] - t._nslots]
+                     _ptr(t._dstate), _ptr(t._hstate_dev if t._dstate is not None else None)]
                     for i, t in enumerate(tables)]
             self.dev = cp.asarray(np.array(rows, np.int64))
             self.doff, self.dsbase = cp.asarray(self.off), cp.asarray(self.sbase)
@@ -278,49 +261,28 @@ def moves(g: Group, victim: Any, tid: Any, row: Any) -> tuple[Any, Any, Any, Any
     return old, wkey, rkey, cnt
 
 
-def starts(g: Group, keys: Any, count: Any) -> Any:
-    """Where each table's moves start in ``keys`` (sorted (table, row) keys, the first ``count``
-    valid)."""
-    if g.host:
-        return np.searchsorted(keys[:int(count[0])], np.arange(g.T) * g.Rmax)
-    import cupy as cp
-    out = cp.empty(g.T, np.int64)
-    _launch("tb_starts", g.T, (keys, count, np.int32(g.T), np.int64(g.Rmax), out))
-    return out
-
-
-def move(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, mode: int, start: Any = None) -> None:
-    """The first ``count`` moves ``j``: rows (and Adagrad's accumulators) of slot ``slot[j]`` of
-    table ``tab[j]`` and host row ``hrow[j]``. :data:`WRITE_BACK`: slot to host. :data:`BOUNCE`:
-    host to the table's bounce rows (its staging area, empty during a placement; the ``k``-th
-    read of a table, ``k = j - start[table]``, while ``k`` is below the area's size), which can
-    run while the write-backs do (PCIe carries both directions at once). :data:`LAND`: each
-    read into its slot, from the bounce rows, or from the host past their capacity."""
+def move(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, down: bool) -> None:
+    """The first ``count`` moves ``j``: rows (and Adagrad's accumulators) between slot ``slot[j]``
+    of table ``tab[j]`` and its host row ``hrow[j]``, to the host when ``down``."""
     if g.host:
         c = int(count[0])
         for t, tb in enumerate(g.tables):
             at = np.flatnonzero(tab[:c] == t)
-            k = at - (start[t] if start is not None else 0)
-            b, bounced = tb._nslots + k, k < tb._W.shape[0] - tb._nslots
             pairs = [(tb._W, tb._hbase)] + ([(tb._dstate, tb._hstate_dev)] if tb._dstate is not None else [])
             for dev, home in pairs:
-                if mode == WRITE_BACK:
+                if down:
                     home[hrow[at]] = dev[slot[at]]
-                elif mode == BOUNCE:
-                    dev[b[bounced]] = home[hrow[at[bounced]]]
                 else:
-                    dev[slot[at[bounced]]] = dev[b[bounced]]
-                    dev[slot[at[~bounced]]] = home[hrow[at[~bounced]]]
+                    dev[slot[at]] = home[hrow[at]]
         return
     n = int(slot.size)
     F = g.tables[0]._W.shape[1]
     vt, FT = LK._vec(F, *(a for tb in g.tables for a in (tb._W, tb._hbase)))
-    blocks = LAND_BLOCKS if mode == LAND else LK.HOST_BLOCKS
     for name, ft, devf, homef in ((f"tb_move_{vt}", FT, P_W, P_HOME), ("tb_move_v1", 1, P_DSTATE, P_HSTATE)):
         if devf == P_DSTATE and all(tb._dstate is None for tb in g.tables):
             continue
-        _launch(name, n * ft, (slot, tab, hrow, count, LK._NULL if start is None else start, np.int64(n),
-                               np.int32(ft), g.dev, np.int32(devf), np.int32(homef), np.int32(mode)), blocks)
+        _launch(name, n * ft, (slot, tab, hrow, count, np.int64(n), np.int32(ft), g.dev, np.int32(devf),
+                               np.int32(homef), np.int32(down)), LK.HOST_BLOCKS)
 
 
 def settle(g: Group, row: Any, victim: Any, tid: Any) -> None:
@@ -362,17 +324,8 @@ def place(g: Group, idx: Any, xp: Any, counted: bool = True) -> Placement:
     victim, tid = victims(g, sk, first, xp.cumsum(first))
     old, wkey, rkey, cnt = moves(g, victim, tid, row)
     out, into = xp.argsort(wkey), xp.argsort(rkey)
-    reads = (victim[into], tid[into], row[into], cnt[1:2])
-    start = starts(g, rkey[into], cnt[1:2])
-    be = g.tables[0].backend
-    ready = be.fence()
-    with be.side():  # the reads travel to the bounce rows while the write-backs travel home
-        be.follow(ready)
-        move(g, *reads, BOUNCE, start)
-        read = be.fence()
-    move(g, victim[out], tid[out], old[out], cnt[0:1], WRITE_BACK)
-    be.follow(read)
-    move(g, *reads, LAND, start)
+    move(g, victim[out], tid[out], old[out], cnt[0:1], down=True)
+    move(g, victim[into], tid[into], row[into], cnt[1:2], down=False)
     settle(g, row, victim, tid)
     return Placement(slot, sk, order, first, row, victim)
 
