@@ -96,12 +96,21 @@ def make_manager(capacity: int, host_bytes: int):
     return Manager(GPU(capacity), DRAM(host_bytes), policy=LRUPolicy())
 
 
-def prefetch_next(tables: Sequence[Any], indices: Sequence[Any]) -> Any:
-    """Start bringing the rows of the next batch (``indices[t]``, flat) into every cached GPU
-    table (other tables ignore it): in the background where a table can (``lru``), so that it
-    overlaps the current batch's dense work and update. Returns what :func:`finish_prefetch`
-    waits for (None: nothing in the background)."""
-    return prefetcher.start(tables, indices, lambda t, idx: prefetch(t, idx))
+def prefetch_next(tables: Sequence[Any], indices: Sequence[Any], background: bool = True) -> Any:
+    """Start bringing the rows of the next batch (``indices[t]``, flat) into the cached GPU
+    tables (other tables ignore it). ``background``: the tables that prefetch on a worker thread
+    (``lru``), started before the current batch's lookups so that the row traffic overlaps the
+    whole step (their prefetch never moves the current batch's rows); returns what
+    :func:`finish_prefetch` waits for (None: nothing in the background). Otherwise the
+    host-bookkept caches, synchronously (after the current batch's lookups: their prefetch may
+    evict any row the current batch does not hold)."""
+    bg = [hasattr(t, "prefetch_works") for t in tables]
+    if background:
+        return prefetcher.start([t for t, b in zip(tables, bg) if b], [i for i, b in zip(indices, bg) if b], None)
+    for t, idx, b in zip(tables, indices, bg):
+        if not b:
+            prefetch(t, idx)
+    return None
 
 
 def finish_prefetch(pending: Any) -> None:

@@ -127,16 +127,19 @@ class DLRM:
             # stream once the value dies: finish them before it can.
             _sync_cupy()
 
-    def prefetch(self, batch: Batch) -> Any:
-        """On the GPU: start uploading ``batch``'s dense features and labels, and bringing its
-        rows into the cached tables, while the current batch computes. Returns the background
-        part, for :func:`dlrm.gpu.finish_prefetch` (None: none)."""
+    def prefetch(self, batch: Batch, background: bool = True) -> Any:
+        """On the GPU: bring ``batch``'s rows into the cached tables while the current batch
+        computes (:func:`dlrm.gpu.prefetch_next`): ``background``, start uploading its dense
+        features and labels and start the tables that prefetch on a worker thread, returning
+        that part for :func:`dlrm.gpu.finish_prefetch` (None: none); otherwise the other cached
+        tables, synchronously."""
         if self.device != "gpu":
             return None
-        self._uploaded = (batch, jax.device_put(batch.dense), jax.device_put(batch.labels))
+        if background:
+            self._uploaded = (batch, jax.device_put(batch.dense), jax.device_put(batch.labels))
         if self._per_table:
             from .gpu import prefetch_next
-            return prefetch_next(self.tables, [batch.bags(i)[0] for i in range(len(self.tables))])
+            return prefetch_next(self.tables, [batch.bags(i)[0] for i in range(len(self.tables))], background)
         return None
 
     def _inputs(self, batch: Batch):
@@ -149,21 +152,24 @@ class DLRM:
         return batch.dense, batch.labels
 
     def train_step(self, batch: Batch, next_batch: Batch | None = None) -> StepResult:
-        """One step on ``batch``; ``next_batch`` (when known) is prefetched while the dense work runs
-        (dispatched before the prefetch, awaited after it) and, for tables that prefetch in the
-        background, while the embedding update runs too (joined at the end of the step)."""
+        """One step on ``batch``; ``next_batch`` (when known) is prefetched: by tables that prefetch
+        in the background from the start of the step (joined at its end), by the others while
+        the dense work runs (dispatched before their prefetch, awaited after it)."""
         tm = self.timer
         with tm("cache flush"):
             for t in self.tables:
                 make_room(t)
         dense, labels = self._inputs(batch)
-        with tm("lookup"):
-            emb = self.lookup(batch)
-        step = self._grad(self.params, dense, emb, labels)  # dispatched: the GPU runs it during the prefetch
         pending = None
         if next_batch is not None:
             with tm("prefetch"):
-                pending = self.prefetch(next_batch)
+                pending = self.prefetch(next_batch)  # lru: beside this whole step
+        with tm("lookup"):
+            emb = self.lookup(batch)
+        step = self._grad(self.params, dense, emb, labels)  # dispatched: the GPU runs it during the prefetch
+        if next_batch is not None:
+            with tm("prefetch"):
+                self.prefetch(next_batch, background=False)
         with tm("dense fwd+bwd"):
             loss, p, g, gemb = jax.block_until_ready(step)
         with tm("embedding update"):

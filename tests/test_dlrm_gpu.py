@@ -168,7 +168,8 @@ def test_cache_fraction_for_a_budget_is_the_inverse_of_hbm_need(policy):
 def test_the_per_table_path_prefetches_the_next_batch_while_the_dense_work_runs(monkeypatch):
     """The GPU trainer's logic for cached tables, run on the CPU: tables the ensemble does not
     take get one lookup and one update each (same losses as the ensemble), and every step hands
-    the next batch's flat indices to ``prefetch`` after the dense step was dispatched."""
+    the next batch's flat indices to ``prefetch`` after the dense step was dispatched; tables
+    that prefetch in the background (``lru``) get theirs started before the lookup."""
     import dlrm.model as M
     from dlrm import DLRM, DLRMConfig
     from dlrm.data import SyntheticData
@@ -188,23 +189,32 @@ def test_the_per_table_path_prefetches_the_next_batch_while_the_dense_work_runs(
 
     events = []
     monkeypatch.setattr(gpu, "prefetch", lambda t, idx: events.append((t.name, idx)))
+    monkeypatch.setattr(gpu.prefetcher, "start", lambda ts, idx, fallback: events.append(
+        ("background", [t.name for t in ts], idx)))
     monkeypatch.setattr(M, "table_on_gpu", lambda t: False)  # the tables are "cached": per-table calls
     monkeypatch.setattr(M, "_sync_cupy", lambda: None)
     monkeypatch.setattr(M.jax, "device_put", lambda x: x)
-    cached = DLRM(cfg, tables(), lr=0.1, device="gpu")
+    ts = tables()
+    for t in ts[1::2]:
+        t.prefetch_works = None  # t1 and t3 prefetch in the background, as lru tables do
+    cached = DLRM(cfg, ts, lr=0.1, device="gpu")
     assert cached._per_table and not cached.ensembles
-    grad = cached._grad
+    grad, lookup = cached._grad, cached.lookup
     cached._grad = lambda *a: (events.append("dense"), grad(*a))[1]
+    cached.lookup = lambda b: (events.append("lookup"), lookup(b))[1]
     got = []
     for j, b in enumerate(batches):
         events.clear()
         nxt = batches[j + 1] if j + 1 < len(batches) else None
         got.append(cached.train_step(b, nxt).loss)
         if nxt is None:
-            assert events == ["dense"]
+            assert events == ["lookup", "dense"]
         else:
-            assert [e if e == "dense" else e[0] for e in events] == ["dense", "t0", "t1", "t2", "t3"]
-            for (name, idx), t in zip(events[1:], range(4)):
+            assert [e if isinstance(e, str) else e[:2] if e[0] == "background" else e[0] for e in events] == \
+                [("background", ["t1", "t3"]), "lookup", "dense", "t0", "t2"]
+            for idx, t in zip(events[0][2], (1, 3)):
+                np.testing.assert_array_equal(idx, nxt.bags(t)[0])
+            for (name, idx), t in zip(events[3:], (0, 2)):
                 np.testing.assert_array_equal(idx, nxt.bags(t)[0])
     # Where JAX runs on a GPU, the two models' separately compiled dense steps differ slightly
     # (TF32 matmuls, per-executable GEMM choices): measured 3.1e-5 relative on the H100.

@@ -456,6 +456,53 @@ def test_a_background_prefetch_overlapping_the_update_changes_no_result():
     m.check()
 
 
+def test_a_prefetch_started_before_the_lookup_runs_beside_the_whole_step(monkeypatch):
+    """The DLRM step's order for lru tables: the next batch's prefetch starts before the current
+    batch's lookup and is joined after its update. The lookup and the update of a batch whose
+    prefetch placed every row do not wait for it (its placement is held back until they are
+    done: had they waited, the gate below would time out), and results equal the uncached
+    table's."""
+    import threading
+    from embeddings.gpu import lru_group as LG
+    from embeddings.gpu import prefetcher
+    rng = np.random.default_rng(10)
+    Ws = [rng.standard_normal((N, F)).astype(np.float32) for _ in range(2)]
+    m = host_manager()
+    ts = [make(W, m, cache_rows=160, ways=8, name=f"t{i}") for i, W in enumerate(Ws)]
+    refs = [Reference(W) for W in Ws]
+    batches = [[zipf_batch(rng, 8, 4) for _ in ts] for _ in range(10)]
+    place, gate, timed_out = LG.place, threading.Event(), []
+
+    def held_back(*a, **k):
+        if threading.current_thread() is not threading.main_thread() and not gate.wait(5):
+            timed_out.append(True)
+        return place(*a, **k)
+    monkeypatch.setattr(LG, "place", held_back)
+    gate.set()
+    prefetcher.finish(prefetcher.start(ts, [i.ravel() for i in batches[0]], None))
+    fast = 0
+    for j, b in enumerate(batches):
+        gate.clear()
+        pending = prefetcher.start(ts, [i.ravel() for i in batches[j + 1]], None) if j + 1 < len(batches) else None
+        taken = [t._ahead[0].stamp if t._ahead else None for t in ts]
+        for t, r, idx in zip(ts, refs, b):
+            assert np.array_equal(_host(E.lookup(t, idx)), r.lookup(idx))
+            g = rng.standard_normal((8, F)).astype(np.float32)
+            E.pullback(t, g, idx, optimizer=E.SGD(0.1))
+            r.pullback(g, idx, optimizer=E.SGD(0.1))
+        fast += sum(s is not None and t._inflight_stamp == s for t, s in zip(ts, taken))
+        gate.set()
+        prefetcher.finish(pending)
+        for t, r in zip(ts, refs):
+            t.check()
+            assert np.array_equal(contents(t), r.W)
+    assert not timed_out
+    assert fast == 2 * 10  # every lookup took its prefetched slots without waiting
+    for t in ts:
+        t.close()
+    m.check()
+
+
 def test_the_dlrm_model_reads_and_restores_a_cached_gpu_tables_adagrad_state(monkeypatch):
     """``DLRM.table_state`` / ``set_table_state`` (checkpoints) reach the accumulator the cache
     really uses (its device copy written back to the optimizer's host array, and rebuilt from it)."""

@@ -32,9 +32,10 @@ the base table is its own mapped view), which is what CI tests.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import collections
 import threading
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -111,7 +112,8 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         self._staged_dirty = False
         self._last = None  # the slots of the batch resolved last (an update marks them dirty)
         self._memo: tuple | None = None  # (indices, offsets, weights, mode, generation, bags)
-        self._ahead: tuple | None = None  # a prefetched batch: (host indices, generation, device slots)
+        self._ahead: collections.deque[Ahead] = collections.deque()  # prefetched batches, oldest first
+        self._ahead_lock = threading.Lock()  # a prefetch's thread appends, the caller's lookups take
         self._generation = 0  # changes whenever a resolved slot may stop holding its row
         self.rows_written_back = 0
         self._hstate = self._hstate_dev = None
@@ -139,20 +141,22 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
                 bags: Bags | None = None, reuse: bool = False) -> ops.DeviceBags:
         """The batch on the device with each index replaced by the slot holding its row
         (admitting misses, staging what finds no way). ``reuse`` (a lookup's update): the last
-        resolution of the same arguments while its slots still hold their rows (an update
-        taking this path runs beside a background prefetch; anything else waits for it)."""
+        resolution of the same arguments while its slots still hold their rows. A batch that a
+        finished prefetch placed takes its slots and runs beside a background prefetch of the
+        next batch, as an update on the reuse path does; anything else waits for it."""
         if reuse and (same := self._reused(indices, offsets, weights, mode)) is not None:
             return same
-        self._join()
         bags = self.validate(indices, offsets, weights, mode) if bags is None else bags
         flat = bags.indices
-        self._finish_staging()
-        ahead, self._ahead = self._ahead, None
-        counted = ahead is not None and ahead[1] == self._generation and _same(ahead[0], flat)
-        slots = ahead[2] if counted and not self._collect() else None  # _collect: the prefetch left a row out
-        if slots is None:
-            slots = self._place(self.backend.asarray(flat).astype(np.int64, copy=False), count=not counted)
-        self._inflight_stamp = self._clock
+        ahead = self._take_ahead(flat)
+        if ahead is not None and ahead.placed and not self._staged.size:
+            slots = ahead.slots  # runs beside a prefetch of the next batch, which never moves these rows
+            self._inflight_stamp = ahead.stamp
+        else:
+            self._join()
+            self._finish_staging()
+            slots = self._place(self.backend.asarray(flat).astype(np.int64, copy=False), count=ahead is None)
+            self._inflight_stamp = self._clock
         dtype = np.int32 if self._W.shape[0] < 2 ** 31 else np.int64
         dbags = ops.upload_bags(self.backend, bags, offsets is not None, slots.astype(dtype, copy=False))
         self._last = dbags.idx
@@ -194,6 +198,16 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         for group in kinds.values():
             works.append(_place_work([t for t, _ in group], [f for _, f in group]))
         return works
+
+    def _take_ahead(self, flat: np.ndarray) -> Ahead | None:
+        """The prefetched placement of ``flat`` if it is the oldest one and still valid (no slot
+        has changed hands since: same generation); older and invalid ones are dropped."""
+        with self._ahead_lock:
+            while self._ahead:
+                a = self._ahead.popleft()
+                if a.generation == self._generation and _same(a.flat, flat):
+                    return a
+        return None
 
     def _join(self) -> None:
         """Wait for a prefetch of this table running on another thread. Every operation but the
@@ -397,7 +411,8 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         self._tags.fill(-1)
         self._stamp.fill(0)
         self._dirty.fill(False)
-        self._ahead = self._memo = None
+        self._ahead.clear()
+        self._memo = None
         self._generation += 1
 
     def invalidate(self) -> None:
@@ -426,7 +441,9 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         for v in views:
             v.release()
         self._W = self._dstate = self._hbase = None
-        self._memo = self._ahead = None
+        self._memo = None
+        if hasattr(self, "_ahead"):
+            self._ahead.clear()
 
     def _check_open(self) -> None:
         if not self._pins:
@@ -487,6 +504,16 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
                 f"{self.sets} sets x {self.ways} ways)")
 
 
+class Ahead(NamedTuple):
+    """A prefetched batch: its host indices, the generation it was placed in, its slots on the
+    device, the stamp of its placement and whether every row found a slot."""
+    flat: np.ndarray
+    generation: int
+    slots: Any
+    stamp: int
+    placed: bool
+
+
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
     return a is b or (a.shape == b.shape and np.array_equal(a, b))
 
@@ -498,30 +525,38 @@ def _unmap(backend: Any, handle: Any, host: np.ndarray) -> None:
 
 def _place_work(tables: list[LRUCachedEmbeddings], flats: list[np.ndarray]) -> Callable[[], bool]:
     """The device work of prefetching ``flats[i]`` into ``tables[i]`` (validated, joined, none
-    with staged rows): each table is busy until it finishes (:meth:`~LRUCachedEmbeddings._join`)."""
-    events = []
+    with staged rows): each table is busy until it finishes (:meth:`~LRUCachedEmbeddings._join`),
+    except for lookups of a batch prefetched before (:meth:`~LRUCachedEmbeddings.resolve`) and
+    the update of the batch in flight. Both keep their slots: each table's lock is the oldest
+    stamp of those batches (taken now, in the caller's thread)."""
+    locks, gens, events = [], [], []
     for t in tables:
+        held = [s for s in (t._ahead[0].stamp if t._ahead else 0, t._inflight_stamp) if s]
+        locks.append(min(held) if held else None)
+        gens.append(t._generation)
         t._inflight = threading.Event()
         events.append(t._inflight)
 
     def work() -> bool:
         be = tables[0].backend
         try:
-            now, lock = [], []
+            now = []
             for t in tables:
                 t._collect()
                 t._clock += 1
                 now.append(t._clock)
-                lock.append(t._inflight_stamp or t._clock)
-            g = LG.Group(tables, [f.size for f in flats], now, lock)
+            g = LG.Group(tables, [f.size for f in flats], now, [lk or n for lk, n in zip(locks, now)])
             xp = be.xp
             idx = xp.concatenate([be.asarray(f) for f in flats]).astype(np.int64, copy=False)
             slots = LG.slots(g, LG.place(g, idx, xp))
-            for i, t in enumerate(tables):
+            for t in tables:
                 t._post()
-                t._ahead = (flats[i], t._generation, slots[g.span(i)])
             be.sync()  # this thread's stream: every write of the prefetch has landed
-            return not any([t._collect() for t in tables])
+            placed = [not t._collect() for t in tables]
+            for i, t in enumerate(tables):
+                with t._ahead_lock:
+                    t._ahead.append(Ahead(flats[i], gens[i], slots[g.span(i)], now[i], placed[i]))
+            return all(placed)
         finally:
             be.sync()
             for ev in events:
