@@ -503,6 +503,40 @@ def test_a_prefetch_started_before_the_lookup_runs_beside_the_whole_step(monkeyp
     m.check()
 
 
+def test_a_lookup_that_must_place_its_batch_leaves_the_next_prefetched_batch_valid():
+    """Prefetches started before the lookup, with a cache so small that some leave rows out:
+    such a lookup places its batch itself (staging what finds no way) without evicting the next
+    batch's prefetched rows, so the next lookup still takes its slots; each batch is counted
+    once and results equal the uncached table's."""
+    from embeddings.gpu import prefetcher
+    rng = np.random.default_rng(11)
+    W0 = rng.standard_normal((N, F)).astype(np.float32)
+    m = host_manager()
+    t, ref = make(W0, m, cache_rows=64, ways=8, staging_rows=2), Reference(W0)
+    batches = [zipf_batch(rng, 8, 4) for _ in range(30)]
+    prefetcher.finish(prefetcher.start([t], [batches[0].ravel()], None))
+    slow_then_fast = 0
+    for j, b in enumerate(batches):
+        pending = prefetcher.start([t], [batches[j + 1].ravel()], None) if j + 1 < len(batches) else None
+        head = t._ahead[0] if t._ahead else None
+        assert np.array_equal(_host(E.lookup(t, b)), ref.lookup(b))
+        fast = head is not None and head.placed and t._inflight_stamp == head.stamp
+        g = rng.standard_normal((8, F)).astype(np.float32)
+        E.pullback(t, g, b, optimizer=E.SGD(0.1))
+        ref.pullback(g, b, optimizer=E.SGD(0.1))
+        prefetcher.finish(pending)
+        if j and not was_fast and fast:
+            slow_then_fast += 1
+        was_fast = fast
+        t.check()
+        assert np.array_equal(contents(t), ref.W)
+    assert slow_then_fast > 0
+    hits, misses, _ = t.counts
+    assert hits + misses == 30 * 8 * 4
+    t.close()
+    m.check()
+
+
 def test_the_dlrm_model_reads_and_restores_a_cached_gpu_tables_adagrad_state(monkeypatch):
     """``DLRM.table_state`` / ``set_table_state`` (checkpoints) reach the accumulator the cache
     really uses (its device copy written back to the optimizer's host array, and rebuilt from it)."""

@@ -149,13 +149,19 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         bags = self.validate(indices, offsets, weights, mode) if bags is None else bags
         flat = bags.indices
         ahead = self._take_ahead(flat)
-        if ahead is not None and ahead.placed and not self._staged.size:
+        if ahead is not None and ahead.placed:
+            if self._staged.size:
+                self._join()
+                self._finish_staging()
             slots = ahead.slots  # runs beside a prefetch of the next batch, which never moves these rows
             self._inflight_stamp = ahead.stamp
         else:
             self._join()
             self._finish_staging()
-            slots = self._place(self.backend.asarray(flat).astype(np.int64, copy=False), count=ahead is None)
+            with self._ahead_lock:  # batches prefetched after this one keep their rows
+                later = [a.stamp for a in self._ahead]
+            slots = self._place(self.backend.asarray(flat).astype(np.int64, copy=False), count=ahead is None,
+                                lock=min(later) if later else None)
             self._inflight_stamp = self._clock
         dtype = np.int32 if self._W.shape[0] < 2 ** 31 else np.int64
         dbags = ops.upload_bags(self.backend, bags, offsets is not None, slots.astype(dtype, copy=False))
@@ -200,12 +206,13 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         return works
 
     def _take_ahead(self, flat: np.ndarray) -> Ahead | None:
-        """The prefetched placement of ``flat`` if it is the oldest one and still valid (no slot
-        has changed hands since: same generation); older and invalid ones are dropped."""
+        """The prefetched placement of ``flat`` if it is the oldest one (older ones are dropped).
+        A prefetched placement stays valid until it is taken: later placements lock its ways,
+        and whatever drops cached rows (flushes, invalidation) drops it too."""
         with self._ahead_lock:
             while self._ahead:
                 a = self._ahead.popleft()
-                if a.generation == self._generation and _same(a.flat, flat):
+                if _same(a.flat, flat):
                     return a
         return None
 
@@ -217,18 +224,19 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
             self._inflight.wait()
             self._inflight = None
 
-    def _place(self, idx: Any, count: bool = True) -> Any:
+    def _place(self, idx: Any, count: bool = True, lock: int | None = None) -> Any:
         """Slots for the flat device indices ``idx`` under a new stamp (:func:`.lru_group.place`
-        for this table alone, the ways of this batch locked): hits stamped, misses admitted
-        into the least recently used ways of their sets, the rest staged; hits and misses
-        counted when ``count``. The host waits only to stage (when some row found no way)."""
+        for this table alone, the ways of this batch locked, and those of stamps from ``lock``
+        on when given): hits stamped, misses admitted into the least recently used ways of
+        their sets, the rest staged; hits and misses counted when ``count``. The host waits
+        only to stage (when some row found no way)."""
         xp = self.backend.xp
         self._collect()
         self._clock += 1
         n = int(idx.size)
         if n == 0:
             return xp.empty(0, np.int64)
-        g = LG.Group([self], [n], [self._clock], [self._clock])
+        g = LG.Group([self], [n], [self._clock], [self._clock if lock is None else min(lock, self._clock)])
         p = LG.place(g, idx, xp, count)
         self._generation += 1
         self._post()
@@ -329,10 +337,13 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         self._generation += 1
 
     def updated(self) -> None:
-        """Note that the batch resolved last was updated: its slots are dirty."""
+        """Note that the batch resolved last was updated: its slots are dirty, and its staged rows
+        go home now (a prefetch of the next batch, which may read them from the host, is not
+        started while rows are staged)."""
         if self._last is not None and self._last.size:
             self._dirty[self.backend.xp.minimum(self._last, self._nslots)] = True
         self._staged_dirty = self._staged.size > 0
+        self._finish_staging()
 
     # ------------------------------------------------------------------ optimizer state
     def _load_state(self, optimizer: RowwiseAdagrad) -> None:
@@ -505,10 +516,9 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
 
 
 class Ahead(NamedTuple):
-    """A prefetched batch: its host indices, the generation it was placed in, its slots on the
-    device, the stamp of its placement and whether every row found a slot."""
+    """A prefetched batch: its host indices, its slots on the device, the stamp of its
+    placement and whether every row found a slot."""
     flat: np.ndarray
-    generation: int
     slots: Any
     stamp: int
     placed: bool
@@ -527,13 +537,12 @@ def _place_work(tables: list[LRUCachedEmbeddings], flats: list[np.ndarray]) -> C
     """The device work of prefetching ``flats[i]`` into ``tables[i]`` (validated, joined, none
     with staged rows): each table is busy until it finishes (:meth:`~LRUCachedEmbeddings._join`),
     except for lookups of a batch prefetched before (:meth:`~LRUCachedEmbeddings.resolve`) and
-    the update of the batch in flight. Both keep their slots: each table's lock is the oldest
-    stamp of those batches (taken now, in the caller's thread)."""
-    locks, gens, events = [], [], []
+    the update of the batch in flight. Both keep their slots: each table's lock is the stamp of
+    the oldest prefetched batch not yet looked up, else of the batch looked up last (taken now,
+    in the caller's thread; work queued before this prefetch is done before it starts)."""
+    locks, events = [], []
     for t in tables:
-        held = [s for s in (t._ahead[0].stamp if t._ahead else 0, t._inflight_stamp) if s]
-        locks.append(min(held) if held else None)
-        gens.append(t._generation)
+        locks.append(t._ahead[0].stamp if t._ahead else (t._inflight_stamp or None))
         t._inflight = threading.Event()
         events.append(t._inflight)
 
@@ -555,7 +564,7 @@ def _place_work(tables: list[LRUCachedEmbeddings], flats: list[np.ndarray]) -> C
             placed = [not t._collect() for t in tables]
             for i, t in enumerate(tables):
                 with t._ahead_lock:
-                    t._ahead.append(Ahead(flats[i], gens[i], slots[g.span(i)], now[i], placed[i]))
+                    t._ahead.append(Ahead(flats[i], slots[g.span(i)], now[i], placed[i]))
             return all(placed)
         finally:
             be.sync()
