@@ -618,3 +618,5 @@ def test_the_prefetcher_joins_every_table_before_raising_a_workers_error():
         prefetcher.finish(pending)
     assert finished.is_set()  # the other table's work had ended when the error came
     assert prefetcher.start([], [], None) is None
+    with pytest.raises(TypeError, match="plain: cannot prefetch in the background"):
+        prefetcher.start([E.SimpleEmbedding(np.zeros((4, 2), np.float32), name="plain")], [np.zeros(1)], None)

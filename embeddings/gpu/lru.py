@@ -9,21 +9,26 @@ host memory, which the GPU reads and writes in place through its mapped address.
 Resolving a batch is array work on the device, with no per-index work on the host: probe the
 ways of each index's set, stamp the hits, find the distinct misses, give the k-th miss of a set
 the k-th least recently used way whose stamp is older than the batches in flight, write the
-evicted dirty rows back and read the admitted rows in (both over PCIe, by the GPU), and replace
-each index by its slot. The host waits only for sizes (how many distinct misses, victims,
-write-backs). A miss whose set has no way left (every way used by a batch in flight) goes to a
-staging area after the ways: read in the same way, written back after its update, before the
-next batch is resolved. A row's updates keep batch order on whatever slot holds it, so results
-equal the uncached table's bit for bit.
+evicted dirty rows back and read the admitted rows in (both over PCIe, by the GPU, in host
+address order), and replace each index by its slot. Nothing waits for a size on the host:
+arrays keep the batch's length and the copies run over a count the device holds
+(:mod:`.lru_group`, which places the batches of several tables with one set of kernels). A
+miss whose set has no way left (every way used by a batch in flight) goes to a staging area
+after the ways: read in the same way, written back right after its update. A row's updates
+keep batch order on whatever slot holds it, so results equal the uncached table's bit for bit.
 
 Against the host-bookkept :class:`.cached.CachedEmbeddings` (pointer table on the host, CLOCK
 pages): nothing scales with the batch on the host, at the price of set conflicts (a set's rows
 compete for its ways) instead of one global order of eviction.
 
-Prefetch. ``prefetch(next_indices)`` resolves the next batch while the current one computes:
-the current batch's ways are locked by their stamps, so nothing it reads or updates moves; it
-stages nothing and admits nothing while the current batch has staged rows (their updates have
-not reached the base table). The next lookup of the same indices reuses its slots.
+Prefetch. ``prefetch(next_indices)`` (or :meth:`LRUCachedEmbeddings.prefetch_works` for
+several tables, run on a worker thread by :mod:`.prefetcher`) places a later batch while the
+current one computes. It locks the ways of the batches still in use by their stamps (the
+oldest prefetched batch not yet looked up, else the batch looked up last), so nothing they read
+or update moves, and it admits nothing while rows are staged (their updates have not reached
+the base table). A prefetched placement waits in a queue until the lookup of the same indices
+takes its slots; that lookup and its update run beside a prefetch of the next batch, so the
+DLRM trainer starts the next batch's prefetch before the current batch's lookup.
 
 On a manager without a GPU the same code runs with numpy as the device (the reference backend:
 the base table is its own mapped view), which is what CI tests.
@@ -173,22 +178,17 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         """Resolve ``indices`` (the next batch) now, while the current batch computes; whether
         every row found a slot (then the lookup of the same indices reuses them). Counts the
         batch's hits and misses (its lookup then does not)."""
-        return self.prefetch_work(indices)()
-
-    def prefetch_work(self, indices: Any) -> Callable[[], bool]:
-        """:meth:`prefetch` in two parts: the batch is validated now (errors raise here), and the
-        returned function does the device work. It may run on another thread with its own
-        stream, concurrently with the update of the batch in flight (whose slots it never
-        touches), but before the next lookup of this table."""
-        return self.prefetch_works([self], [indices])[0]
+        return self.prefetch_works([self], [indices])[0]()
 
     @classmethod
     def prefetch_works(cls, tables: Sequence["LRUCachedEmbeddings"], indices: Sequence[Any]) -> list[Callable[[], bool]]:
-        """:meth:`prefetch_work` for several tables: every batch validated now (the first error
-        raises before any table is touched), then one function that places the batches of all
-        tables that can be placed together (:mod:`.lru_group`: same device, row size and
-        optimizer state) in one set of kernels, and one per other table. Each returns whether
-        every row of its tables found a slot."""
+        """:meth:`prefetch` in two parts, for several tables: every batch validated now (the first
+        error raises before any table is touched), then the device work, which may run on
+        another thread with its own stream beside the lookup and update of the batches in use
+        (whose slots it never touches): one function per group of tables that can be placed
+        together (:mod:`.lru_group`: same device, row size and optimizer state), and for a
+        table with rows staged one that places nothing. Each returns whether every row of its
+        tables found a slot."""
         flats = [t.validate(idx, None, None, None).indices for t, idx in zip(tables, indices)]
         works: list[Callable[[], bool]] = []
         todo = []

@@ -4,13 +4,14 @@
 raises there, before anything moves), then runs the device work of the tables that can do it
 off the caller's thread (:meth:`.lru.LRUCachedEmbeddings.prefetch_works`: the tables of one
 kind together, placed by one set of kernels where they can be) on :data:`WORKERS` worker
-threads, every thread on a CUDA stream of its own, after the work the caller has queued so far
-(the current batch's lookups): the row traffic of the next batch then overlaps the current
-batch's dense work and embedding update on the caller's stream. Those never touch the same slots: a prefetch locks
-the ways of the batch in flight. ``finish`` joins the worker and makes the caller's stream wait
-for it, so the next lookup sees every row in place. Tables without ``prefetch_work`` (the
-host-bookkept :class:`.cached.CachedEmbeddings`, whose bookkeeping runs numba on the host) are
-prefetched synchronously by ``start``.
+threads, every thread on a CUDA stream of its own, after the work the caller has queued so far.
+The row traffic of the next batch then overlaps the caller's work on its own stream: the DLRM
+trainer starts it before the current batch's lookups, so it overlaps the whole step. The two
+never touch the same slots: a prefetch locks the ways of the batches still in use. ``finish``
+joins the workers and makes the caller's stream wait for them, so the next lookup sees every
+row in place. Tables without ``prefetch_works`` (the host-bookkept
+:class:`.cached.CachedEmbeddings`, whose bookkeeping runs numba on the host) are prefetched
+synchronously by ``start`` through its ``fallback``.
 """
 
 from __future__ import annotations
@@ -30,10 +31,16 @@ class Pending:
         self.backend, self.futures = backend, futures
 
 
-def start(tables: Sequence[Any], indices: Sequence[Any], fallback: Callable[[Any, Any], Any]) -> Pending | None:
+def start(tables: Sequence[Any], indices: Sequence[Any],
+          fallback: Callable[[Any, Any], Any] | None) -> Pending | None:
     """Prefetch ``indices[t]`` into ``tables[t]``: validated now, the device work in the
-    background where a table offers it, else ``fallback(table, indices)`` now."""
+    background where a table offers it, else ``fallback(table, indices)`` now (None: every
+    table must offer it)."""
     global _pool
+    if fallback is None:
+        for t in tables:
+            if not hasattr(t, "prefetch_works"):
+                raise TypeError(f"{getattr(t, 'name', t)}: cannot prefetch in the background, and no fallback was given")
     works, backend, kinds = [], None, {}
     for t, idx in zip(tables, indices):
         if hasattr(t, "prefetch_works"):
