@@ -421,16 +421,21 @@ def test_the_gpu_cache_makes_the_decisions_of_its_numpy_form():
             t.close()
 
 
+def two_tables(seed: int, **kw) -> tuple:
+    """(rng, manager, two lru tables over random rows, their references, 10 batches of 8 bags
+    of 4 for each table)."""
+    rng = np.random.default_rng(seed)
+    Ws = [rng.standard_normal((N, F)).astype(np.float32) for _ in range(2)]
+    m = host_manager()
+    ts = [make(W, m, name=f"t{i}", **kw) for i, W in enumerate(Ws)]
+    return rng, m, ts, [Reference(W) for W in Ws], [[zipf_batch(rng, 8, 4) for _ in ts] for _ in range(10)]
+
+
 def test_a_background_prefetch_overlapping_the_update_changes_no_result():
     """The DLRM step's order: lookup, prefetch of the next batch started (validated now, device
     work on the worker thread), update of the current batch, then the prefetch joined."""
     from embeddings.gpu import prefetcher
-    rng = np.random.default_rng(9)
-    Ws = [rng.standard_normal((N, F)).astype(np.float32) for _ in range(2)]
-    m = host_manager()
-    ts = [make(W, m, cache_rows=24, ways=4, name=f"t{i}") for i, W in enumerate(Ws)]
-    refs = [Reference(W) for W in Ws]
-    batches = [[zipf_batch(rng, 8, 4) for _ in ts] for _ in range(10)]
+    rng, m, ts, refs, batches = two_tables(9, cache_rows=24, ways=4)
     synchronous = []
     for j, b in enumerate(batches):
         for t, r, idx in zip(ts, refs, b):
@@ -465,12 +470,7 @@ def test_a_prefetch_started_before_the_lookup_runs_beside_the_whole_step(monkeyp
     import threading
     from embeddings.gpu import lru_group as LG
     from embeddings.gpu import prefetcher
-    rng = np.random.default_rng(10)
-    Ws = [rng.standard_normal((N, F)).astype(np.float32) for _ in range(2)]
-    m = host_manager()
-    ts = [make(W, m, cache_rows=160, ways=8, name=f"t{i}") for i, W in enumerate(Ws)]
-    refs = [Reference(W) for W in Ws]
-    batches = [[zipf_batch(rng, 8, 4) for _ in ts] for _ in range(10)]
+    rng, m, ts, refs, batches = two_tables(10, cache_rows=160, ways=8)
     place, gate, timed_out = LG.place, threading.Event(), []
 
     def held_back(*a, **k):
