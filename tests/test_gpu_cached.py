@@ -292,14 +292,17 @@ class MirroredCache(RuleBasedStateMachine):
         self.opt = E.RowwiseAdagrad(0.2) if adagrad else E.SGD(0.2)
         self.opt_ref = E.RowwiseAdagrad(0.2) if adagrad else E.SGD(0.2)
 
-    @rule(n=st.integers(0, 80), k=st.integers(1, 3), update=st.booleans())
-    def batch(self, n, k, update):
-        idx = ((self.rng.zipf(1.2, (n, k)) - 1) % 120).astype(np.int64)
+    def step(self, idx: np.ndarray, update: bool) -> None:
+        """Look ``idx`` up (and update its rows when ``update``) on both tables."""
         assert np.array_equal(_as_np(E.lookup(self.t, idx)), self.ref.lookup(idx))
         if update:
-            g = self.rng.standard_normal((n, 4)).astype(np.float32)
+            g = self.rng.standard_normal((idx.shape[0], 4)).astype(np.float32)
             E.pullback(self.t, g, idx, optimizer=self.opt)
             self.ref.pullback(g, idx, optimizer=self.opt_ref)
+
+    @rule(n=st.integers(0, 80), k=st.integers(1, 3), update=st.booleans())
+    def batch(self, n, k, update):
+        self.step(((self.rng.zipf(1.2, (n, k)) - 1) % 120).astype(np.int64), update)
 
     @rule(n=st.integers(0, 80))
     def prefetch_next(self, n):

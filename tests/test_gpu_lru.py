@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hypothesis import settings, strategies as st
-from hypothesis.stateful import initialize, rule
+from hypothesis.stateful import initialize, precondition, rule
 
 import embeddings as E
 from cachedarrays import readable, writable
@@ -282,6 +282,22 @@ class LRUMachine(MirroredCache):
         W0 = self.rng.standard_normal((120, 4)).astype(np.float32)
         self.start(rows, W0, adagrad)
         self.t = LRUCachedEmbeddings(W0.copy(), self.m, cache_rows=rows, ways=ways, staging_rows=staging)
+        self.planned: list[np.ndarray] = []
+
+    @rule(n=st.integers(0, 12), k=st.integers(1, 2))
+    def plan(self, n, k):
+        """Prefetch a batch to be looked up later; several may wait (the queue of placements).
+        Small, so that most find a way for every row and their lookups take the prefetched slots."""
+        idx = ((self.rng.zipf(1.2, (n, k)) - 1) % 120).astype(np.int64)
+        prefetch(self.t, idx.ravel())
+        self.planned.append(idx)
+
+    @precondition(lambda self: self.planned)
+    @rule(update=st.booleans())
+    def take(self, update):
+        """Look up (and update) the oldest planned batch: through its prefetched slots where they
+        serve, else placed then."""
+        self.step(self.planned.pop(0), update)
 
     @rule(dirty=st.booleans())
     def flush(self, dirty):
