@@ -149,6 +149,37 @@ def test_prefetch_never_moves_the_rows_of_the_batch_in_flight_and_counts_the_nex
     t.close()
 
 
+def test_a_lookup_that_places_its_own_batch_keeps_the_rows_of_a_batch_prefetched_after_it():
+    """One set of four ways. A is prefetched but leaves rows out (the ways of the batch in
+    flight are locked); B is prefetched after it and takes the way of an older row. A's lookup
+    then places A itself: it may take older ways but not B's, whose lookup still takes its
+    prefetched slot."""
+    rng = np.random.default_rng(12)
+    W0 = rng.standard_normal((N, F)).astype(np.float32)
+    m = host_manager()
+    t, ref = make(W0, m, cache_rows=4, ways=4, staging_rows=4), Reference(W0)
+
+    def step(idx):
+        assert np.array_equal(_host(E.lookup(t, idx)), ref.lookup(idx))
+        g = rng.standard_normal((1, F)).astype(np.float32)
+        E.pullback(t, g, idx, optimizer=E.SGD(0.1))
+        ref.pullback(g, idx, optimizer=E.SGD(0.1))
+
+    step(np.array([[1, 2]]))
+    A, B = np.array([[3, 4, 5, 6, 7]]), np.array([[8]])
+    assert prefetch(t, A.ravel()) is False  # two free ways for five rows; rows 1 and 2 are locked
+    assert prefetch(t, B.ravel()) is True  # row 8 takes the way of row 1 or 2
+    b = t._ahead[1]
+    step(A)
+    assert 8 in _host(t._tags) and t._staged.size == 0  # A's extra rows were staged, and went home after the update
+    step(B)
+    assert t._inflight_stamp == b.stamp  # B took its prefetched slot
+    t.check()
+    assert np.array_equal(contents(t), ref.W)
+    t.close()
+    m.check()
+
+
 def test_prefetch_waits_while_the_current_batch_has_staged_rows():
     W0 = np.random.default_rng(5).standard_normal((N, F)).astype(np.float32)
     m = host_manager()
