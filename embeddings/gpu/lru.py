@@ -114,7 +114,6 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         self._clock = 0  # stamps given out so far
         self._inflight_stamp = 0  # the stamp of the batch resolved last (its ways are locked for a prefetch)
         self._staged = xp.empty(0, np.int64)  # rows in the staging area, by staging slot
-        self._staged_dirty = False
         self._last = None  # the slots of the batch resolved last (an update marks them dirty)
         self._memo: tuple | None = None  # (indices, offsets, weights, mode, generation, bags)
         self._ahead: collections.deque[Ahead] = collections.deque()  # prefetched batches, oldest first
@@ -324,16 +323,17 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
                               f"{self.manager.fast.name} has room for; raise its capacity (--fast-budget) or lower "
                               f"the cache fraction")
 
-    def _finish_staging(self) -> None:
-        """Write updated staged rows back to the base table and empty the staging area."""
+    def _finish_staging(self, updated: bool = False) -> None:
+        """Empty the staging area, writing its rows (and their accumulators) back to the base
+        table when they were ``updated``. Staged rows never wait updated: :meth:`updated`
+        writes them back at once."""
         n = int(self._staged.size)
         if n == 0:
             return
-        if self._staged_dirty:
+        if updated:
             self._copy(self._staged, None, n, down=True, base=self._nslots)
             self.manager.account(self.manager.fast, self.manager.slow, n * self._rowbytes, 0.0)
         self._staged = self._staged[:0]
-        self._staged_dirty = False
         self._generation += 1
 
     def updated(self) -> None:
@@ -342,8 +342,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         started while rows are staged)."""
         if self._last is not None and self._last.size:
             self._dirty[self.backend.xp.minimum(self._last, self._nslots)] = True
-        self._staged_dirty = self._staged.size > 0
-        self._finish_staging()
+        self._finish_staging(updated=True)
 
     # ------------------------------------------------------------------ optimizer state
     def _load_state(self, optimizer: RowwiseAdagrad) -> None:
@@ -361,15 +360,13 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         LK.copy_rows(self._dstate, None, self._hstate_dev, self._staged, int(self._staged.size), dbase=self._nslots)
 
     def _state_down(self) -> None:
-        """Copy the device accumulator of every cached and updated staged row to the host one."""
+        """Copy the device accumulator of every cached row to the host one (staged rows' went home
+        with their update)."""
         if self._dstate is None:
             return
         xp = self.backend.xp
         live = xp.flatnonzero(self._tags >= 0)
         LK.copy_rows(self._hstate_dev, self._tags[live], self._dstate, live, int(live.size))
-        if self._staged_dirty:
-            LK.copy_rows(self._hstate_dev, self._staged, self._dstate, None, int(self._staged.size),
-                         sbase=self._nslots)
         self.backend.sync()
 
     # ------------------------------------------------------------------ whole-cache operations
@@ -388,7 +385,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         return self.cached_rows == self._nslots
 
     def writeback(self) -> None:
-        """Write every updated cached and staged row back to the base table and keep it cached
+        """Write every updated cached row back to the base table and keep it cached
         (e.g. before a checkpoint); Adagrad's accumulator too. The base table is current when
         this returns."""
         self._check_open()
@@ -431,7 +428,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         the optimizer's host state) were replaced, e.g. by loading a checkpoint."""
         self._check_open()
         self._join()
-        self._staged, self._staged_dirty = self._staged[:0], False
+        self._staged = self._staged[:0]
         if self._dstate is not None:
             self._hbm.drop(self._dstate)
         self._unmap_state()
@@ -507,8 +504,6 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         staged = be.to_host(self._staged)
         if np.intersect1d(staged, rows).size:
             raise InvariantError(f"{name}: rows {np.intersect1d(staged, rows)[:5]} are both cached and staged")
-        if self._staged_dirty and staged.size == 0:
-            raise InvariantError(f"{name}: staged rows marked updated but none staged")
 
     def __repr__(self) -> str:
         return (f"LRUCachedEmbeddings({self.name!r}, nvectors={self.nvectors()}, featuresize={self.featuresize()}, "
