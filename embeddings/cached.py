@@ -81,8 +81,23 @@ def cache_size(cache_rows: int | None, cache_fraction: float, nvectors: int, nam
 
 
 class BaseRows:
-    """The table protocol's shape of a cached table (CPU or GPU), read from its base: ``_base``
-    (the base rows as stored), ``_dtype`` (their element type), ``base_array``."""
+    """What every cached table (CPU or GPU) shares: the table protocol's shape, read from its
+    base (``_base``: the base rows as stored, ``_dtype``: their element type, ``base_array``),
+    and the form of its traffic report (``name``, ``policy``, ``rows_written_back``,
+    ``_rowbytes``, ``cached_rows``; ``telemetry`` built with :meth:`_traffic`)."""
+
+    def _traffic(self, hits: int, misses: int, cached: int, **extra: Any) -> dict:
+        """The telemetry keys every cached table reports, then ``extra``."""
+        return {
+            "table": self.name, "policy": self.policy, "hits": hits, "misses": misses,
+            "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+            "rows_cached": cached, "rows_written_back": self.rows_written_back,
+            "bytes_slow_to_fast": cached * self._rowbytes, "bytes_fast_to_slow": self.rows_written_back * self._rowbytes,
+            "cached_rows_now": self.cached_rows, **extra,
+        }
+
+    def hitrate(self) -> float:
+        return self.telemetry()["hit_rate"]
 
     def eltype(self) -> np.dtype:
         return self._dtype
@@ -379,17 +394,8 @@ class CachedEmbeddings(BaseRows, EmbeddingTable):
     # ------------------------------------------------------------------ reporting and checking
     def telemetry(self) -> dict:
         hits, misses, cached = (int(c) for c in self.counts)
-        return {
-            "table": self.name, "policy": self.policy, "hits": hits, "misses": misses,
-            "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-            "rows_cached": cached, "rows_written_back": self.rows_written_back,
-            "bytes_slow_to_fast": cached * self._rowbytes, "bytes_fast_to_slow": self.rows_written_back * self._rowbytes,
-            "cached_rows_now": self.cached_rows, "flushes": self.flushes,
-            "cachelower": self.cachelower, "cacheslack": self.cacheslack,
-        }
-
-    def hitrate(self) -> float:
-        return self.telemetry()["hit_rate"]
+        return self._traffic(hits, misses, cached, flushes=self.flushes, cachelower=self.cachelower,
+                             cacheslack=self.cacheslack)
 
     def reset_counters(self) -> None:
         self.counts[:] = 0

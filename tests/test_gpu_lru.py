@@ -45,6 +45,13 @@ def make(W0, m, **kw) -> LRUCachedEmbeddings:
     return LRUCachedEmbeddings(W0.copy(), m, **kw)
 
 
+def fresh(seed: int, **kw) -> tuple[np.ndarray, object, LRUCachedEmbeddings]:
+    """(random rows, a host manager, an lru table over a copy of them)."""
+    W0 = np.random.default_rng(seed).standard_normal((N, F)).astype(np.float32)
+    m = host_manager()
+    return W0, m, make(W0, m, **kw)
+
+
 @pytest.mark.parametrize("ways,rows,staging", [(1, 40, 1), (4, 40, 2), (16, 64, 4096), (4, 400, 8)])
 @pytest.mark.parametrize("opt", ["sgd", "adagrad"])
 def test_lookups_and_updates_equal_the_uncached_table_bit_for_bit(ways, rows, staging, opt):
@@ -98,9 +105,7 @@ def test_the_least_recently_used_way_of_a_set_goes_first_and_dirty_rows_go_back(
 
 
 def test_a_set_whose_ways_the_batch_fills_stages_the_rest_and_writes_their_updates_back():
-    W0 = np.random.default_rng(3).standard_normal((N, F)).astype(np.float32)
-    m = host_manager()
-    t = make(W0, m, cache_rows=2, ways=2, staging_rows=1)  # one set, a one-row staging area
+    W0, m, t = fresh(3, cache_rows=2, ways=2, staging_rows=1)  # one set, a one-row staging area
     ref = Reference(W0)
     idx = np.array([[1, 2, 3, 4, 5]])
     assert np.array_equal(_host(E.lookup(t, idx, mode="sum")), ref.lookup(idx, mode="sum"))
@@ -119,9 +124,7 @@ def test_a_set_whose_ways_the_batch_fills_stages_the_rest_and_writes_their_updat
 
 
 def test_prefetch_never_moves_the_rows_of_the_batch_in_flight_and_counts_the_next_batch_once():
-    W0 = np.random.default_rng(4).standard_normal((N, F)).astype(np.float32)
-    m = host_manager()
-    t = make(W0, m, cache_rows=4, ways=4)  # one set of four ways: every row competes
+    W0, m, t = fresh(4, cache_rows=4, ways=4)  # one set of four ways: every row competes
     ref = Reference(W0)
     E.lookup(t, np.array([[5, 6]]))  # older rows in two ways
     cur = np.array([[1, 2]])
@@ -179,9 +182,7 @@ def test_a_lookup_that_places_its_own_batch_keeps_the_rows_of_a_batch_prefetched
 
 
 def test_prefetch_waits_while_the_current_batch_has_staged_rows():
-    W0 = np.random.default_rng(5).standard_normal((N, F)).astype(np.float32)
-    m = host_manager()
-    t = make(W0, m, cache_rows=1, ways=1)
+    W0, m, t = fresh(5, cache_rows=1, ways=1)
     E.lookup(t, np.array([[1, 2]]))  # one way: row 2 is staged
     assert _host(t._staged).size == 1
     assert prefetch(t, np.array([3])) is False
@@ -190,9 +191,7 @@ def test_prefetch_waits_while_the_current_batch_has_staged_rows():
 
 
 def test_bad_input_raises_the_cpu_error_and_changes_nothing():
-    W0 = np.random.default_rng(6).standard_normal((N, F)).astype(np.float32)
-    m = host_manager()
-    t = make(W0, m, cache_rows=16, ways=4)
+    W0, m, t = fresh(6, cache_rows=16, ways=4)
     E.lookup(t, np.array([[1, 2, 3]]))
     before, tags = contents(t), _host(t._tags).copy()
     with pytest.raises(IndexError, match=r"table: index 400 at position \(0, 1\) is out of range"):
@@ -217,10 +216,25 @@ def test_bad_input_raises_the_cpu_error_and_changes_nothing():
     m.check()
 
 
+def test_a_batch_whose_staging_rows_do_not_fit_is_refused_naming_the_budget_and_the_table_stays_usable():
+    from cachedarrays import DRAM, LRUPolicy, Manager
+    W0 = np.random.default_rng(13).standard_normal((N, F)).astype(np.float32)
+    m = Manager(DRAM("4KiB", name="fast"), DRAM("1MiB", name="host"), policy=LRUPolicy())
+    t, ref = make(W0, m, cache_rows=4, ways=4, staging_rows=1, name="emb"), Reference(W0)
+    big = np.arange(200).reshape(1, 200)  # 196 rows to stage: 6 KiB beside the cache
+    with pytest.raises(MemoryError, match=r"emb: a batch needs 196 staging rows beside the 4-slot cache, more "
+                                          r"than fast has room for; raise its capacity \(--fast-budget\)"):
+        E.lookup(t, big)
+    t.check()
+    assert np.array_equal(contents(t), W0)
+    idx = np.array([[1, 2, 3]])
+    assert np.array_equal(_host(E.lookup(t, idx)), ref.lookup(idx))
+    t.close()
+    m.check()
+
+
 def test_check_finds_a_row_outside_its_set_and_a_row_cached_twice():
-    W0 = np.random.default_rng(7).standard_normal((N, F)).astype(np.float32)
-    m = host_manager()
-    t = make(W0, m, cache_rows=32, ways=4)
+    W0, m, t = fresh(7, cache_rows=32, ways=4)
     E.lookup(t, np.array([[1, 2, 3]]))
     t.check()
     live = np.flatnonzero(t._tags >= 0)

@@ -35,7 +35,7 @@ from .perf import Bandwidth, resolve
 
 STAGING_CHUNK = 8 << 20  # bytes per pinned staging buffer (two per direction)
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the pointers (unified addressing)
-_HOST_REGISTER_FLAGS = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
+HOST_REGISTER_FLAGS = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
 
 def cupy():
@@ -123,7 +123,7 @@ def pagelock(dev: Device) -> bool:
         return dev.page_locked
     cp = cupy()
     try:
-        cp.cuda.runtime.hostRegister(dev.address(0), dev.buffer.nbytes, _HOST_REGISTER_FLAGS)
+        cp.cuda.runtime.hostRegister(dev.address(0), dev.buffer.nbytes, HOST_REGISTER_FLAGS)
     except Exception as e:
         warnings.warn(f"{dev.name} ({dev.kind}) cannot be page-locked for the GPU ({e}); its copies to and "
                       f"from the GPU are staged through pinned buffers", RuntimeWarning, stacklevel=3)

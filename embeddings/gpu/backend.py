@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from cachedarrays.devices.gpu import HOST_REGISTER_FLAGS
+
 from . import cuda, reference
 
 
@@ -219,7 +221,7 @@ class CudaBackend:
             if not register:
                 raise ValueError(f"{name}: needs its rows in page-locked host memory (the DRAM level of a manager "
                                  f"over a GPU); this level's memory is not page-locked")
-            rt.hostRegister(ptr, nbytes, _REGISTER_MAPPED)
+            rt.hostRegister(ptr, nbytes, HOST_REGISTER_FLAGS)
             handle = ptr
         dptr = rt.pointerGetAttributes(ptr).devicePointer
         mem = cp.cuda.UnownedMemory(dptr, nbytes, host, device_id=cp.cuda.Device().id)
@@ -269,7 +271,7 @@ class CudaBackend:
 
     def pooled(self, out, W, idx, off, k, w, mean, flags=None, slot: int = 0) -> None:
         B, F = out.shape
-        v4 = _vec4(F, W, out)
+        v4 = cuda.vec4(F, W, out)
         FT = F // 4 if v4 else F
         g, rows = cuda.group(FT, pow2=False)
         name = _POOLED[v4, idx.dtype == np.int32]
@@ -302,7 +304,7 @@ class CudaBackend:
     def update(self, W, state, grad, plan: Plan, off, B, k, w, mean, opt, lr, eps) -> None:
         F = W.shape[1]
         L = plan.perm.size
-        v4 = _vec4(F, W, grad)
+        v4 = cuda.vec4(F, W, grad)
         FT = F // 4 if v4 else F
         g, rows = cuda.group(FT, pow2=True)
         vt = "v4" if v4 else "v1"
@@ -327,9 +329,6 @@ class CudaBackend:
             + common + step)
 
 
-_REGISTER_MAPPED = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
-
-
 def _page_locked(rt: Any, ptr: int) -> bool:
     """Whether host address ``ptr`` is page-locked (allocated pinned or registered)."""
     try:
@@ -340,12 +339,6 @@ def _page_locked(rt: Any, ptr: int) -> bool:
 
 _POOLED = {(v4, i32): f"pooled_{'v4' if v4 else 'v1'}_{'i32' if i32 else 'i64'}"
            for v4 in (False, True) for i32 in (False, True)}
-
-
-def _vec4(F: int, *arrays: Any) -> bool:
-    """Whether rows can move as float4: F a multiple of 4, every array 16-byte aligned with a row
-    stride of a multiple of 16 bytes."""
-    return F % 4 == 0 and all(a.data.ptr % 16 == 0 and a.strides[0] % 16 == 0 for a in arrays)
 
 
 _cuda: CudaBackend | None = None

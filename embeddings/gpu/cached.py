@@ -78,6 +78,13 @@ class DeviceCache(C.BaseRows):
             self._opt = optimizer
         return self._dstate
 
+    def _staging_refused(self, n: int, cache: str) -> MemoryError:
+        """The error for a batch whose ``n`` staging rows do not fit beside ``cache`` (the
+        staging area then keeps its old size, so the table stays usable)."""
+        return MemoryError(f"{self.name}: a batch needs {n} staging rows beside the {cache}, more than "
+                           f"{self.manager.fast.name} has room for; raise its capacity (--fast-budget) or lower "
+                           f"the cache fraction")
+
     def rows(self, context: Context | None, indices: np.ndarray | None = None,
              writable: bool = False) -> RowSource:
         raise TypeError(f"{self.name}: a GPU cached table has no host row source; use embeddings.lookup / pullback")
@@ -285,9 +292,7 @@ class CachedEmbeddings(DeviceCache, C.CachedEmbeddings):
         self._hstage = be.pinned((new, F), np.float32)
         self._generation += 1
         if refused:
-            raise MemoryError(f"{self.name}: a batch needs {S} staging rows beside the {ring}-row cache, more than "
-                              f"{self.manager.fast.name} has room for; raise its capacity (--fast-budget) or lower "
-                              f"the cache fraction")
+            raise self._staging_refused(S, f"{ring}-row cache")
 
     def _finish_staging(self) -> None:
         """Write updated staged rows back to the base table (waits for their update) and empty

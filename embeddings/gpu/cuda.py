@@ -364,11 +364,28 @@ CHECK(check_i64, i64)
 NULL = np.uint64(0)  # a null pointer argument
 
 
-@lru_cache(maxsize=1)
-def module() -> Any:
-    """The compiled module (NVRTC, cached by CuPy on disk)."""
+@lru_cache(maxsize=None)
+def compiled(source: str) -> Any:
+    """``source`` compiled into a module (NVRTC, cached by CuPy on disk)."""
     import cupy as cp
-    return cp.RawModule(code=SOURCE, options=("--std=c++14",))
+    return cp.RawModule(code=source, options=("--std=c++14",))
+
+
+def module() -> Any:
+    """The compiled module of :data:`SOURCE`."""
+    return compiled(SOURCE)
+
+
+def launch(source: str, name: str, n: int, args: tuple, most: int = 65536) -> None:
+    """Kernel ``name`` of ``source``, as a grid-stride launch over ``n`` items of at most ``most``
+    blocks of 256 threads."""
+    compiled(source).get_function(name)(*grid_1d(n, most=most), args)
+
+
+def vec4(F: int, *arrays: Any) -> bool:
+    """Whether rows can move as float4: F a multiple of 4, every array 16-byte aligned with a row
+    stride of a multiple of 16 bytes."""
+    return F % 4 == 0 and all(a.data.ptr % 16 == 0 and a.strides[0] % 16 == 0 for a in arrays)
 
 
 @lru_cache(maxsize=None)

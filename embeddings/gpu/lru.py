@@ -319,9 +319,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
             self._dstate[:S] = be.asarray(st)
         self._generation += 1
         if refused:
-            raise MemoryError(f"{self.name}: a batch needs {n} staging rows beside the {S}-slot cache, more than "
-                              f"{self.manager.fast.name} has room for; raise its capacity (--fast-budget) or lower "
-                              f"the cache fraction")
+            raise self._staging_refused(n, f"{S}-slot cache")
 
     def _finish_staging(self, updated: bool = False) -> None:
         """Empty the staging area, writing its rows (and their accumulators) back to the base
@@ -460,17 +458,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
     # ------------------------------------------------------------------ reporting and checking
     def telemetry(self) -> dict:
         hits, misses, admitted = (int(c) for c in self.counts)
-        return {
-            "table": self.name, "policy": self.policy, "hits": hits, "misses": misses,
-            "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-            "rows_cached": admitted, "rows_written_back": self.rows_written_back,
-            "bytes_slow_to_fast": admitted * self._rowbytes,
-            "bytes_fast_to_slow": self.rows_written_back * self._rowbytes,
-            "cached_rows_now": self.cached_rows, "sets": self.sets, "ways": self.ways,
-        }
-
-    def hitrate(self) -> float:
-        return self.telemetry()["hit_rate"]
+        return self._traffic(hits, misses, admitted, sets=self.sets, ways=self.ways)
 
     def reset_counters(self) -> None:
         self._join()

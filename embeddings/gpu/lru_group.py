@@ -17,11 +17,11 @@ table by table with :mod:`.lru_kernels` and are what CI runs, and a GPU test com
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import cuda
 from . import lru_kernels as LK
 
 SOURCE = LK.SOURCE_HEAD + r"""
@@ -139,15 +139,8 @@ NF = 14
 P_W, P_HOME, P_DSTATE, P_HSTATE = 10, 11, 12, 13
 
 
-@lru_cache(maxsize=1)
-def _module() -> Any:
-    import cupy as cp
-    return cp.RawModule(code=SOURCE, options=("--std=c++14",))
-
-
 def _launch(name: str, work: int, args: tuple, most: int = 65536) -> None:
-    block = 256
-    _module().get_function(name)((max(1, min(most, -(-work // block))),), (block,), args)
+    cuda.launch(SOURCE, name, work, args, most)
 
 
 def _ptr(a: Any) -> int:
@@ -277,7 +270,7 @@ def move(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, down: bool) -> No
         return
     n = int(slot.size)
     F = g.tables[0]._W.shape[1]
-    vt, FT = LK._vec(F, *(a for tb in g.tables for a in (tb._W, tb._hbase)))
+    vt, FT = LK.vector_kind(F, *(a for tb in g.tables for a in (tb._W, tb._hbase)))
     for name, ft, devf, homef in ((f"tb_move_{vt}", FT, P_W, P_HOME), ("tb_move_v1", 1, P_DSTATE, P_HSTATE)):
         if devf == P_DSTATE and all(tb._dstate is None for tb in g.tables):
             continue

@@ -25,10 +25,11 @@ address (the kernels read and write it over PCIe). Sets are Fibonacci hashes of 
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
+
+from . import cuda
 
 MIX = 0x9E3779B97F4A7C15
 
@@ -81,25 +82,15 @@ COPY(lru_copy_v4, float4)
 COPY(lru_copy_v1, float)
 """
 
-_NULL = np.uint64(0)
-
-
-@lru_cache(maxsize=1)
-def _module() -> Any:
-    import cupy as cp
-    return cp.RawModule(code=SOURCE, options=("--std=c++14",))
-
-
-HOST_BLOCKS = 32  # blocks of a kernel on host memory: on the H100, 32 read random rows at 37 GB/s, a full grid at 13
+HOST_BLOCKS = 32  # blocks of a kernel on host memory (below)
 
 
 def _launch(name: str, work: int, args: tuple, most: int = 65536) -> None:
-    """A grid-stride launch over ``work`` items of at most ``most`` blocks of 256 threads. Kernels
-    on host memory get few blocks (:data:`HOST_BLOCKS`): more requesters made the mapped reads
-    slower (61,000 random 256-byte rows: 0.42 ms with 32 blocks, 1.13 ms with a full grid), and
-    blocks stalled on PCIe keep SMs from the other stream's work (the current batch's update)."""
-    block = 256
-    _module().get_function(name)((max(1, min(most, -(-work // block))),), (block,), args)
+    """A kernel of :data:`SOURCE` over ``work`` items. Kernels on host memory get few blocks
+    (:data:`HOST_BLOCKS`): on the H100, 516,000 fresh random 256-byte rows read at 13.5 GB/s with
+    32 blocks, 10.6 GB/s with 256, and blocks stalled on PCIe keep SMs from the other streams'
+    work (the current batch's lookups and update)."""
+    cuda.launch(SOURCE, name, work, args, most)
 
 
 def _host(a: Any) -> bool:
@@ -160,9 +151,9 @@ def victims(sk: np.ndarray, first: np.ndarray, pos: np.ndarray, R: int, stamp: n
     return v
 
 
-def _vec(F: int, *arrays: Any) -> tuple[str, int]:
-    v4 = F % 4 == 0 and all(a.data.ptr % 16 == 0 for a in arrays)
-    return ("v4", F // 4) if v4 else ("v1", F)
+def vector_kind(F: int, *arrays: Any) -> tuple[str, int]:
+    """("v4", F / 4) when rows of ``F`` floats of every array move as float4, else ("v1", F)."""
+    return ("v4", F // 4) if cuda.vec4(F, *arrays) else ("v1", F)
 
 
 def settle(rows: np.ndarray, victim: np.ndarray, tags: np.ndarray, stamp: np.ndarray, dirty: np.ndarray, now: int,
@@ -202,8 +193,8 @@ def copy_rows(dst: Any, drow: Any, src: Any, srow: Any, n: int, dbase: int = 0, 
         dst[d] = src[s]
         return
     F = dst.shape[1] if dst.ndim == 2 else 1
-    vt, FT = _vec(F, dst, src)
-    _launch(f"lru_copy_{vt}", n * FT, (dst, _NULL if drow is None else drow, np.int64(dbase), src,
-                                       _NULL if srow is None else srow, np.int64(sbase), np.int64(n), np.int32(FT),
-                                       _NULL if count is None else count),
+    vt, FT = vector_kind(F, dst, src)
+    _launch(f"lru_copy_{vt}", n * FT, (dst, cuda.ptr(drow), np.int64(dbase), src,
+                                       cuda.ptr(srow), np.int64(sbase), np.int64(n), np.int32(FT),
+                                       cuda.ptr(count)),
             HOST_BLOCKS if blocks is None else blocks)
