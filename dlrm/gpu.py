@@ -104,7 +104,7 @@ def prefetch_next(tables: Sequence[Any], indices: Sequence[Any], background: boo
     :func:`finish_prefetch` waits for (None: nothing in the background). Otherwise the
     host-bookkept caches, synchronously (after the current batch's lookups: their prefetch may
     evict any row the current batch does not hold)."""
-    bg = [hasattr(t, "prefetch_works") for t in tables]
+    bg = [prefetcher.in_background(t) for t in tables]
     if background:
         return prefetcher.start([t for t, b in zip(tables, bg) if b], [i for i, b in zip(indices, bg) if b], None)
     for t, idx, b in zip(tables, indices, bg):

@@ -31,6 +31,11 @@ class Pending:
         self.backend, self.futures = backend, futures
 
 
+def in_background(table: Any) -> bool:
+    """Whether ``table`` prefetches on a worker thread (its class offers ``prefetch_works``)."""
+    return hasattr(table, "prefetch_works")
+
+
 def start(tables: Sequence[Any], indices: Sequence[Any],
           fallback: Callable[[Any, Any], Any] | None) -> Pending | None:
     """Prefetch ``indices[t]`` into ``tables[t]``: validated now, the device work in the
@@ -39,17 +44,17 @@ def start(tables: Sequence[Any], indices: Sequence[Any],
     global _pool
     if fallback is None:
         for t in tables:
-            if not hasattr(t, "prefetch_works"):
+            if not in_background(t):
                 raise TypeError(f"{getattr(t, 'name', t)}: cannot prefetch in the background, and no fallback was given")
     works, backend, kinds = [], None, {}
     for t, idx in zip(tables, indices):
-        if hasattr(t, "prefetch_works"):
+        if in_background(t):
             kinds.setdefault(type(t), []).append((t, idx))
             backend = t.backend
     for kind, items in kinds.items():
         works += kind.prefetch_works([t for t, _ in items], [idx for _, idx in items])
     for t, idx in zip(tables, indices):
-        if not hasattr(t, "prefetch_works"):
+        if not in_background(t):
             fallback(t, idx)
     if not works:
         return None
