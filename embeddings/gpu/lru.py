@@ -120,7 +120,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         self._ahead_lock = threading.Lock()  # a prefetch's thread appends, the caller's lookups take
         self._generation = 0  # changes whenever a resolved slot may stop holding its row
         self.rows_written_back = 0
-        self._hstate = self._hstate_dev = None
+        self._hstate_dev = None  # the optimizer's host accumulator as the device sees it
 
     def _map_state(self, host: np.ndarray) -> Any:
         """The optimizer's host accumulator as the device reads and writes it in place,
@@ -350,8 +350,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         self._state_down()
         if self._dstate is not None:
             self._hbm.drop(self._dstate)
-        self._hstate = optimizer.state(self)
-        self._hstate_dev = self._map_state(self._hstate)
+        self._hstate_dev = self._map_state(optimizer.state(self))
         self._dstate = self._hbm.new((self._W.shape[0],), np.float32)
         live = self.backend.xp.flatnonzero(self._tags >= 0)
         LK.copy_rows(self._dstate, live, self._hstate_dev, self._tags[live], int(live.size))
@@ -430,7 +429,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         if self._dstate is not None:
             self._hbm.drop(self._dstate)
         self._unmap_state()
-        self._opt = self._hstate = self._hstate_dev = self._dstate = None
+        self._opt = self._hstate_dev = self._dstate = None
         self._drop_all()
 
     def close(self) -> None:
@@ -543,14 +542,13 @@ def _place_work(tables: list[LRUCachedEmbeddings], flats: list[np.ndarray]) -> C
             slots = LG.slots(g, LG.place(g, idx, xp))
             for t in tables:
                 t._post()
-            be.sync()  # this thread's stream: every write of the prefetch has landed
-            placed = [not t._collect() for t in tables]
+            placed = [not t._collect() for t in tables]  # waits for each table's counts
             for i, t in enumerate(tables):
                 with t._ahead_lock:
                     t._ahead.append(Ahead(flats[i], slots[g.span(i)], now[i], placed[i]))
             return all(placed)
         finally:
-            be.sync()
+            be.sync()  # this thread's stream: every write of the prefetch has landed
             for ev in events:
                 ev.set()
     return work
