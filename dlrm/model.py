@@ -81,9 +81,11 @@ class DLRM:
         # that compile time grows much faster than linearly: groups of at most `group_size` tables
         # keep a 26-table model at two compiled variants of seconds each instead of one of minutes.
         self.device = device
-        # On the GPU one ensemble takes every table in HBM (there is no per-table-count compile);
-        # tables not there, or cached ones (each prefetches its next batch), get their own calls.
-        self._per_table = device == "gpu" and not all(table_on_gpu(t) and not is_cached(t) for t in self.tables)
+        # On the GPU one ensemble takes every table (there is no per-table-count compile), cached
+        # ones included (they also prefetch their next batch); tables left on the host get their
+        # own calls.
+        self._per_table = device == "gpu" and not all(table_on_gpu(t) for t in self.tables)
+        self._prefetching = device == "gpu" and any(is_cached(t) for t in self.tables)
         g = max(1, int(group_size)) if device == "cpu" else len(self.tables)
         self.groups = [(a, min(a + g, len(self.tables))) for a in range(0, len(self.tables), g)]
         self.ensembles = [] if self._per_table else [Ensemble(self.tables[a:b]) for a, b in self.groups]
@@ -118,6 +120,8 @@ class DLRM:
         if self._per_table:
             for i, t in enumerate(self.tables):
                 pullback(t, grad[:, i, :], batch.indices[i], _at(batch.offsets, i), optimizer=self.table_opt)
+        elif self.device == "gpu":  # one ensemble, the gradient as it is (no per-table slices of a JAX array)
+            self.ensembles[0].pullback(grad, batch.indices, batch.offsets, optimizer=self.table_opt)
         else:
             for (a, b), ens in zip(self.groups, self.ensembles):
                 ens.pullback(grad[:, a:b, :], batch.indices[a:b], _part(batch.offsets, a, b),
@@ -137,7 +141,7 @@ class DLRM:
             return None
         if background:
             self._uploaded = (batch, jax.device_put(batch.dense), jax.device_put(batch.labels))
-        if self._per_table:
+        if self._prefetching:
             from .gpu import prefetch_next
             return prefetch_next(self.tables, [batch.bags(i)[0] for i in range(len(self.tables))], background)
         return None

@@ -191,7 +191,8 @@ def test_the_per_table_path_prefetches_the_next_batch_while_the_dense_work_runs(
     monkeypatch.setattr(gpu, "prefetch", lambda t, idx: events.append((t.name, idx)))
     monkeypatch.setattr(gpu.prefetcher, "start", lambda ts, idx, fallback: events.append(
         ("background", [t.name for t in ts], idx)))
-    monkeypatch.setattr(M, "table_on_gpu", lambda t: False)  # the tables are "cached": per-table calls
+    monkeypatch.setattr(M, "table_on_gpu", lambda t: False)  # host tables: per-table calls
+    monkeypatch.setattr(M, "is_cached", lambda t: True)  # that prefetch as cached ones do
     monkeypatch.setattr(M, "_sync_cupy", lambda: None)
     monkeypatch.setattr(M.jax, "device_put", lambda x: x)
     ts = tables()

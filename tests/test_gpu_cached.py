@@ -249,12 +249,21 @@ def test_an_ensemble_of_cached_tables_matches_the_reference():
         ens.pullback(g, idx, optimizer=opt)
         for i, (r, ix) in enumerate(zip(refs, idx)):
             r.pullback(g[:, i, :], ix, optimizer=opt)
+    idx = [zipf_batch(rng, 20, 4) for _ in tables]
+    wide = np.full((20, 5, F), -1.0, np.float32)  # each table writes its column of a strided view
+    ens.lookup_into(wide[:, 1:4, :], idx)
+    assert np.array_equal(wide[:, 1:4, :], np.stack([r.lookup(i) for r, i in zip(refs, idx)], axis=1))
+    assert np.all(wide[:, [0, 4], :] == -1.0)
     bad = [zipf_batch(rng, 20, 4) for _ in tables]
     bad[2][0, 0] = N
     g = np.zeros((20, 3, F), np.float32)
     before = [contents(t) for t in tables]
     with pytest.raises(IndexError, match="t2"):
         ens.pullback(g, bad, optimizer=opt)
+    g = rng.standard_normal(g.shape).astype(np.float32)
+    g[7, 1, 2] = np.inf  # the batch just looked up (its resolution reused), a bad gradient in table t1
+    with pytest.raises(FloatingPointError, match="t1: non-finite gradient in output row 7"):
+        ens.pullback(g, idx, optimizer=opt)
     assert all(np.array_equal(contents(t), b) for t, b in zip(tables, before))
     for t, r in zip(tables, refs):
         assert np.array_equal(contents(t), r.W)

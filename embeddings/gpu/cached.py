@@ -30,6 +30,7 @@ backend of :mod:`.backend`), which is what CI tests.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -517,15 +518,43 @@ def lookup(table: CachedEmbeddings, indices: Any, offsets: Any, mode: str | None
     return res
 
 
+@dataclass
+class CachedUpdate:
+    """A cached table's update whose checks are done or in flight (:func:`prepare`): its
+    arguments, the validated batch (None: it is the batch the table resolved last, whose
+    resolution the update reuses), the gradient on the device and its checks in flight."""
+
+    args: tuple
+    bags: Bags | None
+    grad: Any
+    pending: ops.Pending | None
+
+
+def prepare(table: CachedEmbeddings, grad: Any, indices: Any, offsets: Any, mode: str | None, weights: Any,
+            flags: Any = None, slot: int = 0) -> CachedUpdate:
+    """Every check of ``pullback`` in the CPU's order, nothing written: the batch (not again if
+    the table just resolved these very arguments), the gradient's shape, and its finiteness in
+    flight into ``flags[slot:slot + 3]`` (new flags when None)."""
+    be = table.backend
+    same = table._reused(indices, offsets, weights, mode)
+    bags = table.validate(indices, offsets, weights, mode) if same is None else None
+    nout = same.nout if bags is None else bags.nout
+    g = ops.check_grad(be, table.name, grad, nout, table.featuresize())
+    pending = ops.check_finite(be, table.name, g, be.flags(3) if flags is None else flags, slot) if g.size else None
+    return CachedUpdate((indices, offsets, weights, mode), bags, g, pending)
+
+
+def apply(table: CachedEmbeddings, prep: CachedUpdate, optimizer: Any) -> None:
+    """Resolve a prepared update's batch (reusing the lookup's slots), confirm its checks and run it."""
+    be = table.backend
+    dbags = table.resolve(*prep.args, bags=prep.bags, reuse=True)
+    state = table.device_state(optimizer)
+    ops.apply_pullback(be, table._W, state, ops.PreparedUpdate(dbags, prep.grad, prep.pending), optimizer)
+    table.updated()
+
+
 def pullback(table: CachedEmbeddings, grad: Any, indices: Any, offsets: Any, mode: str | None, weights: Any,
              optimizer: Any) -> None:
     """``pullback`` of a GPU cached table: checked in the CPU's order before anything is written."""
     ops.check_optimizer(optimizer)
-    be = table.backend
-    bags = table.validate(indices, offsets, weights, mode)
-    g = ops.check_grad(be, table.name, grad, bags.nout, table.featuresize())
-    pending = ops.check_finite(be, table.name, g, be.flags(3)) if g.size else None
-    dbags = table.resolve(indices, offsets, weights, mode, bags, reuse=True)
-    state = table.device_state(optimizer)
-    ops.apply_pullback(be, table._W, state, ops.PreparedUpdate(dbags, g, pending), optimizer)
-    table.updated()
+    apply(table, prepare(table, grad, indices, offsets, mode, weights), optimizer)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -147,22 +148,26 @@ def ensemble_lookup(tables: list, indices, offsets, mode, weights, out: Any = No
 
 
 def _ensemble_lookup_per_table(tables: list, indices, offsets, mode, weights, out: Any) -> Any:
-    """An ensemble with GPU cached tables: every batch validated, then one lookup per table."""
+    """An ensemble with GPU cached tables: every batch validated, then one lookup per table,
+    each into its column of the one output."""
     T = len(tables)
     offsets, weights = _per_table(T, indices, offsets, weights)
     bags = [t.validate(i, o, w, mode) if _cached(t) else make_bags(t.name, t.nvectors(), i, o, w, mode)
             for t, i, o, w in zip(tables, indices, offsets, weights)]
     _same_batch([b.nout for b in bags])
-    parts = [cached.lookup(t, i, o, mode, w, bags=b) if _cached(t) else _raw_lookup(t, i, o, mode, w)
-             for t, i, o, w, b in zip(tables, indices, offsets, weights, bags)]
     be = next(t.backend for t in tables if _cached(t))
+    shape = (bags[0].nout, T, tables[0].featuresize())
     if out is None:
-        res = be.xp.stack(parts, axis=1)
-        return res if isinstance(res, np.ndarray) else as_output(res)
-    ops.check_out(be, out, (bags[0].nout, T, tables[0].featuresize()), "ensemble")
-    for i, p in enumerate(parts):
-        out[:, i, :] = p
-    return out
+        res = be.xp.empty(shape, np.float32)
+    else:
+        ops.check_out(be, out, shape, "ensemble")
+        res = out
+    for n, (t, i, o, w, b) in enumerate(zip(tables, indices, offsets, weights, bags)):
+        if _cached(t):
+            cached.lookup(t, i, o, mode, w, out=res[:, n, :], bags=b)
+        else:
+            res[:, n, :] = _raw_lookup(t, i, o, mode, w)
+    return res if out is not None or isinstance(res, np.ndarray) else as_output(res)
 
 
 def _raw_lookup(table: Any, indices, offsets, mode, weights) -> Any:
@@ -200,21 +205,24 @@ def _same_batch(n: list[int]) -> None:
 
 
 def _ensemble_pullback_per_table(tables: list, grad: Any, indices, offsets, mode, weights, optimizer) -> None:
-    """An ensemble with GPU cached tables: every table's batch and gradient (shape and
-    finiteness, on a host copy) checked before any table changes, then one update per table."""
+    """An ensemble with GPU cached tables: every table's batch and gradient checked (finiteness
+    on the device, one wait for all) before any table changes, then one update per table."""
     T = len(tables)
     offsets, weights = _per_table(T, indices, offsets, weights)
     ops.check_optimizer(optimizer)
-    host = np.asarray(grad) if isinstance(grad, np.ndarray) else cuda_backend().to_host(grad)
+    be = next(t.backend for t in tables if _cached(t))
+    g3 = be.asarray(grad)
     F = tables[0].featuresize()
-    if host.ndim != 3 or host.shape[1:] != (T, F):
-        raise ValueError(f"ensemble gradient shape {tuple(host.shape)}, expected (batch, {T}, {F})")
-    for i, (t, i_, o, w) in enumerate(zip(tables, indices, offsets, weights)):
-        bags = t.validate(i_, o, w, mode) if _cached(t) else make_bags(t.name, t.nvectors(), i_, o, w, mode)
-        if bags.nout != host.shape[0]:
-            raise ValueError(f"{t.name}: gradient shape {(host.shape[0], F)}, expected {(bags.nout, F)}")
-        bad = np.flatnonzero(~np.isfinite(host[:, i, :]).all(axis=1))
-        if bad.size:
-            raise ops.nonfinite_error(t.name, int(bad[0]))
-    for i, (t, i_, o, w) in enumerate(zip(tables, indices, offsets, weights)):
-        pullback(t, grad[:, i, :], i_, o, mode, w, optimizer)
+    if g3.ndim != 3 or tuple(g3.shape[1:]) != (T, F):
+        raise ValueError(f"ensemble gradient shape {tuple(g3.shape)}, expected (batch, {T}, {F})")
+    flags = be.flags(3 * T)
+    preps = [(cached.prepare(t, g3[:, n, :], i, o, mode, w, flags, 3 * n) if _cached(t)
+              else prepare(t, g3[:, n, :], i, o, mode, w, optimizer, flags, 3 * n))
+             for n, (t, i, o, w) in enumerate(zip(tables, indices, offsets, weights))]
+    ops.confirm(be, [p.pending for p in preps])
+    for t, p in zip(tables, preps):
+        p = replace(p, pending=None)  # confirmed
+        if _cached(t):
+            cached.apply(t, p, optimizer)
+        elif apply(t, p, optimizer) is NotImplemented:
+            raise RuntimeError(f"{t.name}: moved off the GPU during an ensemble update")
