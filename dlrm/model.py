@@ -139,12 +139,13 @@ class DLRM:
         tables, synchronously."""
         if self.device != "gpu":
             return None
+        pending = None
+        if self._prefetching:  # first: the row traffic is the longer chain
+            from .gpu import prefetch_next
+            pending = prefetch_next(self.tables, [batch.bags(i)[0] for i in range(len(self.tables))], background)
         if background:
             self._uploaded = (batch, jax.device_put(batch.dense), jax.device_put(batch.labels))
-        if self._prefetching:
-            from .gpu import prefetch_next
-            return prefetch_next(self.tables, [batch.bags(i)[0] for i in range(len(self.tables))], background)
-        return None
+        return pending
 
     def _inputs(self, batch: Batch):
         """``batch``'s dense features and labels, from the upload :meth:`prefetch` started if it did."""

@@ -71,6 +71,9 @@ class ReferenceBackend:
     def download(self, dst: np.ndarray, src: Any) -> None:
         dst[...] = src
 
+    def upload_concat(self, parts: list[np.ndarray], dtype: Any) -> np.ndarray:
+        return np.concatenate(parts).astype(dtype, copy=False)
+
     def mapped(self, host: np.ndarray, register: bool = True, name: str = "array") -> tuple[np.ndarray, Any]:
         """``host`` itself; ``register`` is recorded in :attr:`registered` as CUDA would page-lock
         it, so that tests see every registration undone."""
@@ -196,6 +199,25 @@ class CudaBackend:
         rt = cp.cuda.runtime
         rt.memcpyAsync(dst.data.ptr, src.ctypes.data, src.nbytes, rt.memcpyHostToDevice,
                        cp.cuda.get_current_stream().ptr)
+
+    def upload_concat(self, parts: list[np.ndarray], dtype: Any) -> Any:
+        """The host arrays ``parts`` one after the other as one device array of ``dtype``: joined
+        in a page-locked buffer of this thread and copied up without waiting (one copy, not a
+        synchronous copy from pageable memory per part, which also stalls other threads'
+        launches). The buffer is reused once that copy has landed."""
+        n = sum(int(p.size) for p in parts)
+        buf = getattr(self._local, "joined", None)
+        if buf is None or buf.nbytes < n * np.dtype(dtype).itemsize:
+            buf = self._local.joined = self.pinned((max(n, 1) * np.dtype(dtype).itemsize,), np.uint8)
+        else:
+            self.wait(self._local.joined_fence)
+        host = buf[:n * np.dtype(dtype).itemsize].view(dtype)
+        np.concatenate(parts, out=host, casting="unsafe")  # validated indices: in range
+        dst = self.xp.empty(n, dtype)
+        if n:
+            self.upload(dst, host)
+        self._local.joined_fence = self.fence()
+        return dst
 
     def download(self, dst: np.ndarray, src: Any) -> None:
         """Copy contiguous device ``src`` into page-locked host ``dst`` on the current stream,

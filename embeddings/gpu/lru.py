@@ -538,7 +538,7 @@ def _place_work(tables: list[LRUCachedEmbeddings], flats: list[np.ndarray]) -> C
                 now.append(t._clock)
             g = LG.Group(tables, [f.size for f in flats], now, [lk or n for lk, n in zip(locks, now)])
             xp = be.xp
-            idx = xp.concatenate([be.asarray(f) for f in flats]).astype(np.int64, copy=False)
+            idx = be.upload_concat(flats, np.int64)
             slots = LG.slots(g, LG.place(g, idx, xp))
             for t in tables:
                 t._post()
