@@ -270,6 +270,42 @@ def test_an_ensemble_of_cached_tables_matches_the_reference():
         t.check()
 
 
+def test_one_ensemble_update_takes_cached_and_plain_tables(monkeypatch):
+    """The GPU ensemble update (one function for plain and cached tables), with the reference
+    backend standing for CUDA: bit for bit with the reference, and a bad gradient in any
+    table refused before any table changes."""
+    from embeddings.gpu import tables as GT
+    monkeypatch.setattr(GT, "cuda_backend", lambda be=ReferenceBackend(): be)
+    rng = np.random.default_rng(11)
+    m = host_manager()
+    Ws = [rng.standard_normal((N, F)).astype(np.float32) for _ in range(2)]
+    ts = [CachedEmbeddings(Ws[0], m, cache_rows=50, page_rows=8, name="c0"), E.SimpleEmbedding(Ws[1].copy(), "p1")]
+    refs = [Reference(W) for W in Ws]
+    opt = E.SGD(0.3)
+    now = lambda: [contents(ts[0]), ts[1].data.copy()]  # noqa: E731
+    for step in range(4):
+        idx = [zipf_batch(rng, 20, 4) for _ in ts]
+        if step % 2:
+            E.lookup(ts[0], idx[0])  # the update then reuses this resolution
+        g = rng.standard_normal((20, 2, F)).astype(np.float32)
+        GT.ensemble_pullback(ts, g, idx, None, None, None, opt)
+        for i, r in enumerate(refs):
+            r.pullback(g[:, i, :], idx[i], optimizer=opt)
+        assert all(np.array_equal(got, r.W) for got, r in zip(now(), refs))
+    before = now()
+    for bad_table in (0, 1):
+        g = rng.standard_normal((20, 2, F)).astype(np.float32)
+        g[3, bad_table, 1] = np.nan
+        with pytest.raises(FloatingPointError, match=f"{ts[bad_table].name}: non-finite gradient in output row 3"):
+            GT.ensemble_pullback(ts, g, idx, None, None, None, opt)
+        assert all(np.array_equal(a, b) for a, b in zip(now(), before))
+    with pytest.raises(ValueError, match="ensemble gradient shape"):
+        GT.ensemble_pullback(ts, np.zeros((20, 3, F), np.float32), idx, None, None, None, opt)
+    ts[0].check()
+    ts[0].close()
+    m.check()
+
+
 def test_invalidate_drops_the_cache_after_the_base_table_was_replaced(tmp_path):
     rng = np.random.default_rng(8)
     m = host_manager(tmp_path)

@@ -607,6 +607,7 @@ def test_the_dlrm_model_reads_and_restores_a_cached_gpu_tables_adagrad_state(mon
     m = host_manager()
     t = make(W0, m, cache_rows=40, ways=4, name="t0")
     model = DLRM(DLRMConfig([N], F, (6, F), (4, 1)), [t], optimizer="adagrad", lr=0.1, device="gpu")
+    assert model.ensembles and not model._per_table and model._prefetching  # one ensemble call, and prefetches
     ref = Reference(W0)
     theirs = E.RowwiseAdagrad(0.1)
     for _ in range(3):

@@ -25,7 +25,8 @@ _pool: ThreadPoolExecutor | None = None
 
 
 class Pending:
-    """A background prefetch: one future per table (its worker stream's event after the table's work)."""
+    """A background prefetch: one future per piece of work (a group of tables placed together,
+    :meth:`.lru.LRUCachedEmbeddings.prefetch_works`), each its worker stream's event after it."""
 
     def __init__(self, backend: Any, futures: list[Future]) -> None:
         self.backend, self.futures = backend, futures

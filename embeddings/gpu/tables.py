@@ -179,38 +179,13 @@ def _raw_lookup(table: Any, indices, offsets, mode, weights) -> Any:
 
 
 def ensemble_pullback(tables: list, grad: Any, indices, offsets, mode, weights, optimizer) -> None:
-    """Every table's update; all validated (indices, gradient, finiteness) before any table changes."""
-    if any(_cached(t) for t in tables):
-        return _ensemble_pullback_per_table(tables, grad, indices, offsets, mode, weights, optimizer)
-    be = cuda_backend()
-    T = len(tables)
-    offsets, weights = _per_table(T, indices, offsets, weights)
-    g3 = be.asarray(grad)
-    F = tables[0].featuresize()
-    if g3.ndim != 3 or g3.shape[1:] != (T, F):
-        raise ValueError(f"ensemble gradient shape {tuple(g3.shape)}, expected (batch, {T}, {F})")
-    flags = be.flags(3 * T)
-    preps = [prepare(t, g3[:, i, :], i_, o, mode, w, optimizer, flags, 3 * i)
-             for i, (t, i_, o, w) in enumerate(zip(tables, indices, offsets, weights))]
-    _same_batch([p.bags.nout for p in preps])
-    ops.confirm(be, [p.pending for p in preps])
-    for t, p in zip(tables, preps):
-        if apply(t, p, optimizer) is NotImplemented:
-            raise RuntimeError(f"{t.name}: moved off the GPU during an ensemble update")
-
-
-def _same_batch(n: list[int]) -> None:
-    if len(set(n)) != 1:
-        raise ValueError(f"all tables must produce the same batch size, got {sorted(set(n))}")
-
-
-def _ensemble_pullback_per_table(tables: list, grad: Any, indices, offsets, mode, weights, optimizer) -> None:
-    """An ensemble with GPU cached tables: every table's batch and gradient checked (finiteness
-    on the device, one wait for all) before any table changes, then one update per table."""
+    """Every table's update; all validated (indices, the gradient's shape, its finiteness on the
+    device with one wait for all tables) before any table changes. A GPU cached table resolves
+    its batch to its slots (its lookup's resolution, when it was of these very arguments)."""
     T = len(tables)
     offsets, weights = _per_table(T, indices, offsets, weights)
     ops.check_optimizer(optimizer)
-    be = next(t.backend for t in tables if _cached(t))
+    be = next((t.backend for t in tables if _cached(t)), None) or cuda_backend()
     g3 = be.asarray(grad)
     F = tables[0].featuresize()
     if g3.ndim != 3 or tuple(g3.shape[1:]) != (T, F):
@@ -226,3 +201,8 @@ def _ensemble_pullback_per_table(tables: list, grad: Any, indices, offsets, mode
             cached.apply(t, p, optimizer)
         elif apply(t, p, optimizer) is NotImplemented:
             raise RuntimeError(f"{t.name}: moved off the GPU during an ensemble update")
+
+
+def _same_batch(n: list[int]) -> None:
+    if len(set(n)) != 1:
+        raise ValueError(f"all tables must produce the same batch size, got {sorted(set(n))}")
