@@ -18,6 +18,7 @@ from cachedarrays import readable, writable
 from cachedarrays.devices import gpu as gpu_device
 from cachedarrays.errors import InvariantError
 from embeddings.gpu.cached import prefetch
+from embeddings.gpu import lru_group as LG
 from embeddings.gpu.lru import LRUCachedEmbeddings
 
 from test_gpu_cached import (MirroredCache, Reference, _as_np, base_rows, gpu_manager, host_manager,
@@ -32,7 +33,9 @@ def _host(x) -> np.ndarray:
 
 def contents(t: LRUCachedEmbeddings) -> np.ndarray:
     """The table as a reader sees it, without side effects: base rows, every cached row from its
-    slot (staged rows are clean: their updates went home with the update)."""
+    slot (staged rows are clean: their updates went home with the update), once the rows sent
+    home have landed."""
+    LG.drain([t])
     with readable(t.base_array) as v:
         out = np.array(v)
     W, tags = _host(t._W), _host(t._tags)
@@ -517,6 +520,37 @@ def test_a_background_prefetch_overlapping_the_update_changes_no_result():
     assert hits + misses == 10 * 8 * 4  # each batch counted once
     for t in ts:
         t.close()
+    m.check()
+
+
+def test_rows_sent_home_in_the_background_land_before_anything_reads_them(monkeypatch):
+    """Evicted rows reach the host table through a CPU scatter in the background (held back
+    here until the step is over): the next placement's reads and closing wait for it, so every
+    lookup and the base table after closing equal the uncached table's."""
+    import time
+    from embeddings.gpu import prefetcher
+    from embeddings.kernels import scatter
+    real, scattered = scatter.scatter_rows, []
+
+    def late(jobs):
+        time.sleep(0.05)
+        scattered.append(sum(int(r.size) for _, r, _ in jobs))
+        real(jobs)
+    monkeypatch.setattr(scatter, "scatter_rows", late)
+    rng, m, ts, refs, batches = two_tables(11, cache_rows=24, ways=4)
+    prefetcher.finish(prefetcher.start(ts, [i.ravel() for i in batches[0]], None))
+    for j, b in enumerate(batches):
+        pending = prefetcher.start(ts, [i.ravel() for i in batches[j + 1]], None) if j + 1 < len(batches) else None
+        for t, r, idx in zip(ts, refs, b):
+            assert np.array_equal(_host(E.lookup(t, idx)), r.lookup(idx)), j
+            g = rng.standard_normal((8, F)).astype(np.float32)
+            E.pullback(t, g, idx, optimizer=E.SGD(0.1))
+            r.pullback(g, idx, optimizer=E.SGD(0.1))
+        prefetcher.finish(pending)
+    assert sum(scattered) > 50  # many rows went home through the background scatter
+    for t, r in zip(ts, refs):
+        t.close()
+        assert np.array_equal(base_rows(t), r.W)
     m.check()
 
 

@@ -74,6 +74,11 @@ class ReferenceBackend:
     def upload_concat(self, parts: list[np.ndarray], dtype: Any) -> np.ndarray:
         return np.concatenate(parts).astype(dtype, copy=False)
 
+    def download_aside(self, pairs: list[tuple[np.ndarray, Any]]) -> Any:
+        for dst, src in pairs:
+            dst[...] = src
+        return None
+
     def mapped(self, host: np.ndarray, register: bool = True, name: str = "array") -> tuple[np.ndarray, Any]:
         """``host`` itself; ``register`` is recorded in :attr:`registered` as CUDA would page-lock
         it, so that tests see every registration undone."""
@@ -226,6 +231,20 @@ class CudaBackend:
         rt = cp.cuda.runtime
         rt.memcpyAsync(dst.ctypes.data, src.data.ptr, src.nbytes, rt.memcpyDeviceToHost,
                        cp.cuda.get_current_stream().ptr)
+
+    def download_aside(self, pairs: list[tuple[np.ndarray, Any]]) -> Any:
+        """:meth:`download` of each ``(dst, src)`` on a second stream of this thread, after the
+        work queued so far on the current stream but beside what is queued after it; a fence
+        for :meth:`wait`."""
+        after = self.fence()
+        side = getattr(self._local, "side", None)
+        if side is None:
+            side = self._local.side = self.xp.cuda.Stream(non_blocking=True)
+        side.wait_event(after)
+        with side:
+            for dst, src in pairs:
+                self.download(dst, src)
+            return self.fence()
 
     def mapped(self, host: np.ndarray, register: bool = True, name: str = "array") -> tuple[Any, Any]:
         """``host`` as a device array that kernels read and write in place, over PCIe (the

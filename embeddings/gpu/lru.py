@@ -9,11 +9,12 @@ host memory, which the GPU reads and writes in place through its mapped address.
 Resolving a batch is array work on the device, with no per-index work on the host: probe the
 ways of each index's set, stamp the hits, find the distinct misses, give the k-th miss of a set
 the k-th least recently used way whose stamp is older than the batches in flight, write the
-evicted dirty rows back and read the admitted rows in (both over PCIe, by the GPU, in host
-address order), and replace each index by its slot. Nothing waits for a size on the host:
-arrays keep the batch's length and the copies run over a count the device holds
-(:mod:`.lru_group`, which places the batches of several tables with one set of kernels). A
-miss whose set has no way left (every way used by a batch in flight) goes to a staging area
+evicted dirty rows back (gathered into one block, copied home in one DMA and scattered into the
+host table by CPU threads in the background, which anything reading host rows waits for) and
+read the admitted rows in (over PCIe by the GPU, in host address order, beside that copy), and
+replace each index by its slot. Arrays keep the batch's length and the reads run over a count
+the device holds; the host waits only for the number of rows going home (:mod:`.lru_group`,
+which places the batches of several tables with one set of kernels). A miss whose set has no way left (every way used by a batch in flight) goes to a staging area
 after the ways: read in the same way, written back right after its update. A row's updates
 keep batch order on whatever slot holds it, so results equal the uncached table's bit for bit.
 
@@ -40,6 +41,7 @@ from collections.abc import Callable, Sequence
 import collections
 import threading
 import weakref
+from concurrent.futures import Future
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -71,6 +73,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
 
     policy = "lru"
     _inflight: threading.Event | None = None  # set when a background prefetch has finished
+    _home: Future | None = None  # the rows the last placement sent home, landing (:func:`.lru_group.drain`)
 
     def __init__(self, base: Any, manager: Manager | None = None, *, cache_rows: int | None = None,
                  cache_fraction: float = 0.1, ways: int = WAYS, staging_rows: int = STAGING_ROWS,
@@ -192,7 +195,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         works: list[Callable[[], bool]] = []
         todo = []
         for t, flat in zip(tables, flats):
-            t._join()
+            t._join(home=False)
             if t._staged.size:
                 works.append(lambda: False)
             else:
@@ -215,13 +218,17 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
                     return a
         return None
 
-    def _join(self) -> None:
-        """Wait for a prefetch of this table running on another thread. Every operation but the
-        update of the batch in flight (whose slots a prefetch never touches) does, so a caller
-        who skips the prefetcher's ``finish`` cannot race it."""
+    def _join(self, home: bool = True) -> None:
+        """Wait for a prefetch of this table running on another thread and, when ``home``, for
+        the rows its last placement sent home to land in the host table. Every operation but
+        the update of the batch in flight (whose slots a prefetch never touches) does, so a
+        caller who skips the prefetcher's ``finish`` cannot race it; starting a prefetch waits
+        for the prefetch only (its placement drains the rows before it reads any)."""
         if self._inflight is not None:
             self._inflight.wait()
             self._inflight = None
+        if home:
+            LG.drain([self])
 
     def _place(self, idx: Any, count: bool = True, lock: int | None = None) -> Any:
         """Slots for the flat device indices ``idx`` under a new stamp (:func:`.lru_group.place`

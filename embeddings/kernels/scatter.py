@@ -1,0 +1,87 @@
+"""Writing rows into host tables with CPU threads: ``dst[rows[i]] = src[i]``, now or in the background.
+
+The GPU ``lru`` cache sends the rows it evicts home as one contiguous block (one DMA into
+page-locked memory) and this scatters them into the host tables, in the background so that
+the training step does not wait for it (:func:`scatter_later`). Each piece is a numba kernel
+that runs without the GIL, on a pool of Python threads rather than numba's parallel layer, so
+that it can run beside numba kernels of the main thread whatever threading layer numba picked.
+``CACHEDARRAYS_SCATTER_THREADS`` sets the pool's size (default: a quarter of the cores, at least
+one: the rest run the training step beside it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+from numba import njit
+
+PIECE = 8192  # rows per task at least: a task's fixed cost stays small against its copies
+
+
+def _threads() -> int:
+    text = os.environ.get("CACHEDARRAYS_SCATTER_THREADS", "")
+    if not text:
+        return max(1, (os.cpu_count() or 1) // 4)
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"CACHEDARRAYS_SCATTER_THREADS must be a positive integer, got {text!r}")
+    return n
+
+
+THREADS = _threads()
+Job = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+_pool: ThreadPoolExecutor | None = None
+_later: ThreadPoolExecutor | None = None
+
+
+@njit(cache=True, nogil=True)
+def _scatter(dst, rows, src):  # pragma: no cover - numba only
+    for i in range(rows.size):
+        dst[rows[i]] = src[i]
+
+
+def scatter_rows(jobs: Sequence[Job]) -> None:
+    """For each ``(dst, rows, src)``: ``dst[rows[i]] = src[i]`` (as many rows as positions, the
+    same row shape and dtype, every position in range: checked for every job before any is
+    written), split across :data:`THREADS` threads; returns when all are done."""
+    global _pool
+    for dst, rows, src in jobs:
+        n = int(rows.size)
+        if src.shape[0] != n or dst.shape[1:] != src.shape[1:] or dst.dtype != src.dtype:
+            raise ValueError(f"scatter of {src.shape} {src.dtype} rows at {n} positions into {dst.shape} {dst.dtype}")
+        if n and (int(rows.min()) < 0 or int(rows.max()) >= dst.shape[0]):
+            raise IndexError(f"scatter rows outside 0..{dst.shape[0] - 1}")
+    tasks = []
+    for dst, rows, src in jobs:
+        n = int(rows.size)
+        cuts = np.linspace(0, n, max(1, min(THREADS, n // PIECE)) + 1).astype(np.int64)
+        tasks += [(dst, rows[a:b], src[a:b]) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+    if len(tasks) <= 1:
+        for t in tasks:
+            _scatter(*t)
+        return
+    if _pool is None:
+        _pool = ThreadPoolExecutor(THREADS, thread_name_prefix="cachedarrays-scatter")
+    for f in [_pool.submit(_scatter, *t) for t in tasks]:
+        f.result()
+
+
+def scatter_later(ready: Callable[[], None], jobs: Callable[[], Sequence[Job]]) -> Future:
+    """:func:`scatter_rows` of ``jobs()`` once ``ready()`` has returned (a wait for the rows to
+    land in host memory), on a background thread; the future is done when the rows are home.
+    Scatters started this way run one after the other, in the order they were started."""
+    global _later
+    if _later is None:
+        _later = ThreadPoolExecutor(1, thread_name_prefix="cachedarrays-home")
+
+    def run() -> None:
+        ready()
+        scatter_rows(jobs())
+    return _later.submit(run)

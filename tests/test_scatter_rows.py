@@ -1,0 +1,59 @@
+"""``scatter_rows``: the CPU side of the lru cache's write-back (rows into host tables)."""
+
+import numpy as np
+import pytest
+
+from embeddings.kernels import scatter
+from embeddings.kernels.scatter import scatter_rows
+
+
+@pytest.mark.parametrize("n", [0, 1, 5000, 3 * scatter.PIECE + 17])
+def test_rows_land_where_they_belong_in_every_table(n):
+    rng = np.random.default_rng(n)
+    tables = [rng.standard_normal((40_000, 8)).astype(np.float32) for _ in range(3)]
+    want = [t.copy() for t in tables]
+    jobs = []
+    for t, w in zip(tables, want):
+        rows = rng.choice(t.shape[0], n, replace=False).astype(np.int64)
+        src = rng.standard_normal((n, 8)).astype(np.float32)
+        w[rows] = src
+        jobs.append((t, rows, src))
+    scatter_rows(jobs)
+    for t, w in zip(tables, want):
+        assert np.array_equal(t, w)
+
+
+def test_bad_input_is_refused_before_anything_is_written():
+    dst = np.zeros((10, 4), np.float32)
+    ok = (dst, np.array([1, 2]), np.ones((2, 4), np.float32))
+    with pytest.raises(IndexError, match="outside 0..9"):
+        scatter_rows([(dst, np.array([3, 10]), np.ones((2, 4), np.float32))])
+    with pytest.raises(ValueError, match="scatter of"):
+        scatter_rows([ok, (dst, np.array([1, 2]), np.ones((2, 3), np.float32))])
+    assert not dst.any()
+
+
+def test_a_later_scatter_waits_for_its_rows_and_scatters_run_in_the_order_started():
+    import threading
+    dst = np.zeros((100, 2), np.float32)
+    landed = threading.Event()
+    first = scatter.scatter_later(lambda: landed.wait(5), lambda: [(dst, np.array([7]), np.full((1, 2), 1, np.float32))])
+    second = scatter.scatter_later(lambda: None, lambda: [(dst, np.array([7]), np.full((1, 2), 2, np.float32))])
+    assert not first.done() and not dst.any()  # nothing is written before its rows have landed
+    landed.set()
+    second.result(5)
+    assert first.done() and dst[7].tolist() == [2, 2]  # the later scatter's rows won
+    bad = scatter.scatter_later(lambda: None, lambda: [(dst, np.array([100]), np.ones((1, 2), np.float32))])
+    with pytest.raises(IndexError, match="outside 0..99"):
+        bad.result(5)
+
+
+@pytest.mark.parametrize("text,want", [("3", 3), ("", None)])
+def test_the_thread_count_comes_from_the_environment(monkeypatch, text, want):
+    import os
+    monkeypatch.setenv("CACHEDARRAYS_SCATTER_THREADS", text)
+    assert scatter._threads() == (want or max(1, (os.cpu_count() or 1) // 4))
+    for bad in ("0", "many"):
+        monkeypatch.setenv("CACHEDARRAYS_SCATTER_THREADS", bad)
+        with pytest.raises(ValueError, match="CACHEDARRAYS_SCATTER_THREADS must be a positive integer"):
+            scatter._threads()
