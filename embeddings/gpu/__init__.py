@@ -14,8 +14,9 @@ until a table's data is found on a GPU.
 * :mod:`.cached` – ``CachedEmbeddings`` with its cache in HBM over a table in host memory and
   its bookkeeping on the host, and ``prefetch``; ``DeviceCache``, what both cached classes share;
 * :mod:`.lru` – ``LRUCachedEmbeddings``: a set-associative cache whose tags, stamps and dirty
-  bits are in HBM, run by the device itself, misses read and evictions written through the
-  base table's mapped address (:mod:`.lru_group`: placing the batches of several tables with
+  bits are in HBM, run by the device itself, misses read through the base table's mapped
+  address and evictions sent home as one block that CPU threads scatter in the background
+  (:mod:`embeddings.kernels.scatter`; :mod:`.lru_group`: placing the batches of several tables with
   one set of CUDA kernels; :mod:`.lru_kernels`: one table's steps and the kernels they share;
   every kernel with a numpy form);
 * :mod:`.prefetcher` – the next batch's prefetch on worker threads with their own streams,
