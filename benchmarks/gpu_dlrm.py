@@ -44,6 +44,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -212,12 +213,47 @@ class TorchInHBM:
 
 
 # ------------------------------------------------------------------ part 1
-def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
+def in_hbm_model(cp, T: int, rows: int, F: int, lr: float, first) -> Any:
+    """The part-1 model with ``T`` tables of ``rows`` rows as CuPy arrays in HBM, warmed up on batch ``first``."""
+    from dlrm import DLRM, DLRMConfig
+    from embeddings import SimpleEmbedding
+
+    w = [cp.empty((rows, F), cp.float32) for _ in range(T)]
+    fill(w, seed=2)
+    model = DLRM(DLRMConfig([rows] * T, F, BOTTOM, TOP), [SimpleEmbedding(x, name=f"hbm{t}") for t, x in enumerate(w)],
+                 lr=lr, device="gpu")
+    model.warmup(first)
+    return model
+
+
+def host_model(T: int, rows: int, F: int, budget: int, policy: str, cf: float, lr: float, first,
+               hot=None) -> tuple[Any, Any, list, dict]:
+    """The part-1 model over ``T`` tables of ``rows`` rows in page-locked host DRAM under a GPU
+    manager whose HBM level holds ``budget`` bytes, cached by ``policy`` (cache fraction ``cf``),
+    warmed up on batch ``first``: (model, manager, the tables' host views, which stay pinned for
+    readers such as the torch baseline, setup seconds)."""
     from cachedarrays import CachedArray, writable
     from dlrm import DLRM, DLRMConfig, make_tables
     from dlrm import gpu as G
+
+    t0 = time.perf_counter()
+    m = G.make_manager(budget, T * rows * F * 4 + G.SLACK)
+    setup = {"setup_pagelock_s": time.perf_counter() - t0}
+    arrays = [CachedArray((rows, F), m, np.float32, place="slow") for _ in range(T)]
+    views = [writable(x) for x in arrays]  # pinned: nothing moves them while the host fills them
+    t1 = time.perf_counter()
+    fill([v.array for v in views], seed=3)
+    setup["setup_fill_s"] = time.perf_counter() - t1
+    tables = make_tables([rows] * T, F, policy, m, cache_fraction=cf, arrays=arrays, init=False, hot=hot)
+    model = DLRM(DLRMConfig([rows] * T, F, BOTTOM, TOP), tables, lr=lr, device="gpu")
+    model.warmup(first)
+    return model, m, views, setup
+
+
+def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
+    from dlrm import DLRMConfig
+    from dlrm import gpu as G
     from dlrm.placement import cache_rows, hitrate, reset_counters
-    from embeddings import SimpleEmbedding
 
     T, n, F, B, k = args.tables, args.rows, 64, args.batch, args.lookups
     small = max(1, n // args.shrink)
@@ -241,31 +277,19 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
 
     # in HBM: small tables as CuPy arrays
     t0 = time.perf_counter()
-    hbm_w = [cp.empty((small, F), cp.float32) for _ in range(T)]
-    fill(hbm_w, seed=2)
-    hbm = DLRM(DLRMConfig([small] * T, F, BOTTOM, TOP), [SimpleEmbedding(w, name=f"hbm{t}") for t, w in enumerate(hbm_w)],
-               lr=args.lr, device="gpu")
-    hbm.warmup(small_b[0])
+    hbm = in_hbm_model(cp, T, small, F, args.lr, small_b[0])
     contenders["in HBM"] = (ours_trainer(hbm, small_b), args.per_round, B)
     print(f"  in-HBM model ready in {time.perf_counter() - t0:.1f} s", flush=True)
 
     # ours: host tables with an HBM cache
-    t0 = time.perf_counter()
-    m = G.make_manager(budget, table_bytes + G.SLACK)
-    res["setup_pagelock_s"] = time.perf_counter() - t0
-    arrays = [CachedArray((n, F), m, np.float32, place="slow") for _ in range(T)]
-    views = [writable(x) for x in arrays]  # host views for the fill and for torch (pinned: nothing moves them)
-    t1 = time.perf_counter()
-    fill([v.array for v in views], seed=3)
-    res["setup_fill_s"] = time.perf_counter() - t1
+    crow = cache_rows(n, cf)
+    hot = [scatter(np.arange(crow), n, t) for t in range(T)] if args.policy == "static" else None
+    ours, m, views, setup = host_model(T, n, F, budget, args.policy, cf, args.lr, big_b[0], hot=hot)
+    res.update(setup)
     print(f"  host tables: page-locked in {res['setup_pagelock_s']:.1f} s, filled in {res['setup_fill_s']:.1f} s "
           f"({table_bytes / 1e9 / max(res['setup_fill_s'], 1e-9):.1f} GB/s)", flush=True)
     t1 = time.perf_counter()
-    crow = cache_rows(n, cf)
-    hot = [scatter(np.arange(crow), n, t) for t in range(T)] if args.policy == "static" else None
-    tables = make_tables(sizes, F, args.policy, m, cache_fraction=cf, arrays=arrays, init=False, hot=hot)
-    ours = DLRM(cfg, tables, lr=args.lr, device="gpu")
-    ours.warmup(big_b[0])
+    tables = ours.tables
     for j in range(args.warm_steps):
         ours.train_step(big_b[j % nsteps], big_b[(j + 1) % nsteps])
     for t in tables:
@@ -329,10 +353,10 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
         res["ours_over_torch_cpu"] >= 3
     print("  ours, wall time per step by phase: "
           + ", ".join(f"{p_} {v:.1f} ms" for p_, v in res["ours_phases_ms_per_step"].items()))
-    del th, tbs, contenders, hbm, hbm_w, ours
+    del th, tbs, contenders, hbm, ours, tables
     for v in views:
         v.release()
-    del views, arrays
+    del views
     m.close()
     cp.get_default_memory_pool().free_all_blocks()
     return res, targets

@@ -132,17 +132,13 @@ def record(args) -> tuple[str, dict[str, Any]]:
     """Build both models, time them by phase, trace ours; (trace path, phase timings)."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import cupy as cp
-    import numpy as np
     from torch.profiler import ProfilerActivity, profile
 
-    from cachedarrays import CachedArray, writable
-    from dlrm import DLRM, DLRMConfig, make_tables
     from dlrm import gpu as G
-    from embeddings import SimpleEmbedding
     try:
-        from benchmarks.gpu_dlrm import BOTTOM, TOP, fill, make_batches
+        from benchmarks.gpu_dlrm import host_model, in_hbm_model, make_batches
     except ImportError:
-        from gpu_dlrm import BOTTOM, TOP, fill, make_batches
+        from gpu_dlrm import host_model, in_hbm_model, make_batches
 
     T, n, F, B, k = args.tables, args.rows, 64, args.batch, args.lookups
     small = max(1, n // 10)
@@ -151,18 +147,8 @@ def record(args) -> tuple[str, dict[str, Any]]:
     need = args.warm_steps + 2 * args.steps + args.traced + 2
     big, small_b = make_batches(need, T, n, small, B, k, seed=1)
     sync = cp.cuda.get_current_stream().synchronize
-    hbm_w = [cp.empty((small, F), cp.float32) for _ in range(T)]
-    fill(hbm_w, seed=2)
-    hbm = DLRM(DLRMConfig([small] * T, F, BOTTOM, TOP), [SimpleEmbedding(w, name=f"h{t}") for t, w in enumerate(hbm_w)],
-               lr=0.01, device="gpu")
-    hbm.warmup(small_b[0])
-    m = G.make_manager(budget, T * n * F * 4 + G.SLACK)
-    arrays = [CachedArray((n, F), m, np.float32, place="slow") for _ in range(T)]
-    views = [writable(x) for x in arrays]  # held (pinned) while the host fills them
-    fill([v.array for v in views], seed=3)
-    tables = make_tables([n] * T, F, "lru", m, cache_fraction=cf, arrays=arrays, init=False)
-    ours = DLRM(DLRMConfig([n] * T, F, BOTTOM, TOP), tables, lr=0.01, device="gpu")
-    ours.warmup(big[0])
+    hbm = in_hbm_model(cp, T, small, F, 0.01, small_b[0])
+    ours, m, views, _ = host_model(T, n, F, budget, "lru", cf, 0.01, big[0])
     print(f"{T} x {n} rows, HBM budget {args.budget}% -> cache fraction {cf:.4f}; {args.warm_steps} warm-up steps",
           flush=True)
     for j in range(args.warm_steps):
