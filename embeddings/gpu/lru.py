@@ -4,7 +4,7 @@ Layout (FBGEMM's "UVM cache" design). The cache is ``sets x ways`` slots of rows
 manager's fast level (HBM); a row may live only in the ways of its set (a hash of the row
 number). Beside the rows, in HBM: the tags (the row each slot holds, -1 when free), the stamps
 (the last batch that used the slot) and the dirty bits. The base table stays in page-locked
-host memory, which the GPU reads and writes in place through its mapped address.
+host memory, which the GPU reads in place through its mapped address.
 
 Resolving a batch is array work on the device, with no per-index work on the host: probe the
 ways of each index's set, stamp the hits, find the distinct misses, give the k-th miss of a set
@@ -14,8 +14,9 @@ host table by CPU threads in the background, which anything reading host rows wa
 read the admitted rows in (over PCIe by the GPU, in host address order, beside that copy), and
 replace each index by its slot. Arrays keep the batch's length and the reads run over a count
 the device holds; the host waits only for the number of rows going home (:mod:`.lru_group`,
-which places the batches of several tables with one set of kernels). A miss whose set has no way left (every way used by a batch in flight) goes to a staging area
-after the ways: read in the same way, written back right after its update. A row's updates
+which places the batches of several tables with one set of kernels). A miss whose set has no
+way left (every way used by a batch in flight) goes to a staging area after the ways: read in
+the same way, written back by the GPU through the mapped address right after its update. A row's updates
 keep batch order on whatever slot holds it, so results equal the uncached table's bit for bit.
 
 Against the host-bookkept :class:`.cached.CachedEmbeddings` (pointer table on the host, CLOCK
