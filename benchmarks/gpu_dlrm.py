@@ -1,9 +1,11 @@
 """The whole DLRM training step on the GPU: tables larger than HBM, and the reference layout (b).
 
 Part 1, tables larger than the GPU (default: 8 tables of 45M rows x 64 float32, 92 GB in host
-memory; ``--tables``/``--rows`` change it, ``--quick`` runs 8 x 1M): bottom MLP 512-512-64, top
-1024-1024-1024-1, dot interaction, batch 16384, 20 lookups per bag, Zipf(1) indices. Three
-trainers run in alternating rounds on the same index stream:
+memory; ``--tables``/``--rows`` change it; ``--quick`` runs 8 x 4M with batches of 4096: with
+1M or 2M rows a 10% cache cannot hold two such batches, and every prefetched batch is placed
+again by its lookup): bottom MLP 512-512-64, top 1024-1024-1024-1, dot interaction, batch
+16384, 20 lookups per bag, Zipf(1) indices. Three trainers run in alternating rounds on the
+same index stream:
 
 * ours: ``dlrm.DLRM(device="gpu")`` over GPU cached tables (tables in page-locked host DRAM,
   an HBM budget of ``--budget`` of the tables' bytes for the cache rows and their bookkeeping,
@@ -319,6 +321,7 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
     rates = [hitrate(t) for t in ours.tables]
     res["hit_rate"] = float(np.mean(rates))
     res["hit_rate_per_table"] = rates
+    res["prefetch_fallbacks"] = sum(t.telemetry().get("prefetch_fallbacks", 0) for t in ours.tables)
     tel = m.telemetry()
     moved = {k_: int(v) for k_, v in tel.get("bytes_moved", {}).items()}
     res["bytes_moved_per_batch"] = {k_: v / steps for k_, v in moved.items()}
@@ -347,6 +350,9 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
                   res["host_traffic_GBps"], bw_h2d, 100 * res["host_traffic_fraction_of_h2d"]]])
     print("  bytes moved per batch by pair: " + ", ".join(f"{k_} {v / 1e6:.1f} MB"
                                                          for k_, v in res["bytes_moved_per_batch"].items()))
+    if res["prefetch_fallbacks"]:
+        print(f"  prefetched batches that did not fit the cache (placed again by their lookup): "
+              f"{res['prefetch_fallbacks']} of {steps * T} (table batches)")
     targets[f"part 1: hit rate >= 80% ({100 * res['hit_rate']:.1f}%)"] = res["hit_rate"] >= 0.8
     targets[f"part 1: >= 0.8x the in-HBM samples/s ({res['ours_over_hbm']:.2f}x)"] = res["ours_over_hbm"] >= 0.8
     targets[f"part 1: >= 3x PyTorch with CPU tables ({res['ours_over_torch_cpu']:.2f}x)"] = \
@@ -426,7 +432,7 @@ def main(argv=None) -> int:
     p.add_argument("--skip", choices=("1", "2"), action="append", default=[], help="skip part 1 or 2")
     args = p.parse_args(argv)
     if args.quick:
-        args.rows, args.steps, args.warm_steps, args.rounds, args.per_round = 1_000_000, 8, 4, 3, 3
+        args.rows, args.steps, args.warm_steps, args.rounds, args.per_round = 4_000_000, 8, 4, 3, 3
         args.batch, args.b_rows = 4096, 200_000
     from cachedarrays.devices import gpu
     if not gpu.available():

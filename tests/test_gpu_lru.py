@@ -554,6 +554,42 @@ def test_rows_sent_home_in_the_background_land_before_anything_reads_them(monkey
     m.check()
 
 
+@pytest.mark.parametrize("cache_rows,fits", [(16, False), (N, True)])
+def test_prefetched_batches_that_do_not_fit_the_cache_are_counted_and_warned_about_once(cache_rows, fits):
+    """Batches of ~32 distinct rows: a 16-row cache cannot hold them, so every prefetched batch's
+    lookup places it again (results unchanged), the table counts each one and warns once, naming
+    itself and the remedy; a cache of every row counts none and stays silent."""
+    import warnings
+    rng = np.random.default_rng(12)
+    W0 = rng.standard_normal((N, F)).astype(np.float32)
+    m = host_manager()
+    t, ref = make(W0, m, cache_rows=cache_rows, ways=4, name="small"), Reference(W0)
+    batches = [rng.integers(0, N, (8, 4)) for _ in range(8)]
+    prefetch(t, batches[0].ravel())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for j, b in enumerate(batches):
+            assert np.array_equal(_host(E.lookup(t, b)), ref.lookup(b))
+            if j + 1 < len(batches):
+                prefetch(t, batches[j + 1].ravel())
+            g = rng.standard_normal((8, F)).astype(np.float32)
+            E.pullback(t, g, b, optimizer=E.SGD(0.1))
+            ref.pullback(g, b, optimizer=E.SGD(0.1))
+            t.check()
+    said = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
+    if fits:
+        assert said == [] and t.telemetry()["prefetch_fallbacks"] == 0
+    else:
+        assert len(said) == 1 and said[0].startswith("small: three prefetched batches in a row did not fit")
+        assert "--cache-fraction" in said[0] and "smaller batches" in said[0]
+        assert t.telemetry()["prefetch_fallbacks"] == len(batches)
+        t.reset_counters()
+        assert t.telemetry()["prefetch_fallbacks"] == 0
+    assert np.array_equal(contents(t), ref.W)
+    t.close()
+    m.check()
+
+
 def test_a_prefetch_started_before_the_lookup_runs_beside_the_whole_step(monkeypatch):
     """The DLRM step's order for lru tables: the next batch's prefetch starts before the current
     batch's lookup and is joined after its update. The lookup and the update of a batch whose

@@ -41,6 +41,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 import collections
 import threading
+import warnings
 import weakref
 from concurrent.futures import Future
 from typing import Any, NamedTuple
@@ -124,6 +125,8 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         self._ahead_lock = threading.Lock()  # a prefetch's thread appends, the caller's lookups take
         self._generation = 0  # changes whenever a resolved slot may stop holding its row
         self.rows_written_back = 0
+        self.prefetch_fallbacks = 0  # prefetched batches whose lookup had to place them itself
+        self._fallbacks_in_a_row = 0
         self._hstate_dev = None  # the optimizer's host accumulator as the device sees it
 
     def _map_state(self, host: np.ndarray) -> Any:
@@ -157,6 +160,8 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         bags = self.validate(indices, offsets, weights, mode) if bags is None else bags
         flat = bags.indices
         ahead = self._take_ahead(flat)
+        if ahead is not None:
+            self._prefetch_outcome(ahead.placed)
         if ahead is not None and ahead.placed:
             if self._staged.size:
                 self._join()
@@ -198,6 +203,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         for t, flat in zip(tables, flats):
             t._join(home=False)
             if t._staged.size:
+                t._prefetch_outcome(False)
                 works.append(lambda: False)
             else:
                 todo.append((t, flat))
@@ -218,6 +224,23 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
                 if _same(a.flat, flat):
                     return a
         return None
+
+    def _prefetch_outcome(self, placed: bool) -> None:
+        """Count a prefetched batch whose lookup must place it itself (some row found no way,
+        or rows were still staged when it was prefetched) and warn, once, when three in a row
+        did: then the cache cannot hold the rows of the batches in flight, and every lookup
+        places its batch on the caller's thread, staging what does not fit."""
+        if placed:
+            self._fallbacks_in_a_row = 0
+            return
+        self.prefetch_fallbacks += 1
+        self._fallbacks_in_a_row += 1
+        if self._fallbacks_in_a_row == 3:
+            warnings.warn(f"{self.name}: three prefetched batches in a row did not fit the cache ({self.sets} sets "
+                          f"of {self.ways} ways must hold the rows of the batch in use and of the next one): their "
+                          "lookups place them again and stage what does not fit, which is slow; give the cache "
+                          "more rows (--cache-fraction, --fast-budget) or use smaller batches", RuntimeWarning,
+                          stacklevel=4)
 
     def _join(self, home: bool = True) -> None:
         """Wait for a prefetch of this table running on another thread and, when ``home``, for
@@ -465,13 +488,15 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
     # ------------------------------------------------------------------ reporting and checking
     def telemetry(self) -> dict:
         hits, misses, admitted = (int(c) for c in self.counts)
-        return self._traffic(hits, misses, admitted, sets=self.sets, ways=self.ways)
+        return self._traffic(hits, misses, admitted, sets=self.sets, ways=self.ways,
+                             prefetch_fallbacks=self.prefetch_fallbacks)
 
     def reset_counters(self) -> None:
         self._join()
         self._collect()
         self._counts.fill(0)
         self._seen[:] = 0
+        self.prefetch_fallbacks = 0
 
     def check(self) -> None:
         """Every tag a row of the table, in its own set, at most once; dirty bits and stamps
