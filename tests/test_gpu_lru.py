@@ -26,6 +26,10 @@ from test_gpu_cached import (MirroredCache, Reference, _as_np, base_rows, gpu_ma
 
 N, F = 400, 8
 
+# Many tests here give a table a cache too small for its batches on purpose (to stage rows);
+# the warning that says so is checked by its own test.
+pytestmark = pytest.mark.filterwarnings("ignore:.*prefetched batches in a row did not fit:RuntimeWarning")
+
 
 def _host(x) -> np.ndarray:
     return _as_np(x)

@@ -5,6 +5,11 @@ page-locked memory) and this scatters them into the host tables, in the backgrou
 the training step does not wait for it (:func:`scatter_later`). Each piece is a numba kernel
 that runs without the GIL, on a pool of Python threads rather than numba's parallel layer, so
 that it can run beside numba kernels of the main thread whatever threading layer numba picked.
+float32 rows of a specialised feature size are copied with vector loads and stores
+(:func:`~.simd.vcopy`), streaming ones where every destination row starts a cache line
+(:func:`~.simd.vcopy_stream`: no read of the line it overwrites): 405,000 rows of 64 into an
+8 GB table took 110 ns a row as numba's row assignment, 22 with vector copies and 18 streamed
+on one core of the CI machine.
 ``CACHEDARRAYS_SCATTER_THREADS`` sets the pool's size (default: half the cores, at least one: the
 other half runs the training step beside it; on the H100 machine's 16 cores a quarter left the
 scatter of one step unfinished when the next step needed its rows).
@@ -18,6 +23,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 from numba import njit
+
+from .intrinsics import store_fence
+from .rowaccess import LINE, out_ptr, spec_for, uidx
+from .simd import vcopy, vcopy_stream
 
 PIECE = 8192  # rows per task at least: a task's fixed cost stays small against its copies
 
@@ -48,6 +57,27 @@ def _scatter(dst, rows, src):  # pragma: no cover - numba only
         dst[rows[i]] = src[i]
 
 
+@njit(cache=True, nogil=True)
+def _scatter_simd(spec, dst, rows, src, stream):  # pragma: no cover - numba only
+    for i in range(rows.size):
+        if stream:
+            vcopy_stream(spec, out_ptr(dst, rows[uidx(i)]), out_ptr(src, i))
+        else:
+            vcopy(spec, out_ptr(dst, rows[uidx(i)]), out_ptr(src, i))
+    if stream:
+        store_fence()
+
+
+def _run(dst: np.ndarray, rows: np.ndarray, src: np.ndarray) -> None:
+    """One piece, by the fastest kernel its arrays allow."""
+    spec = spec_for(dst.shape[1]) if dst.ndim == 2 else ()
+    if spec and dst.dtype == np.float32 and dst.strides[1] == 4 and src.strides[1] == 4:
+        stream = dst.ctypes.data % LINE == 0 and dst.strides[0] % LINE == 0
+        _scatter_simd(spec, dst, rows.astype(np.int64, copy=False), src, stream)
+    else:
+        _scatter(dst, rows, src)
+
+
 def scatter_rows(jobs: Sequence[Job]) -> None:
     """For each ``(dst, rows, src)``: ``dst[rows[i]] = src[i]`` (as many rows as positions, the
     same row shape and dtype, every position in range: checked for every job before any is
@@ -66,11 +96,11 @@ def scatter_rows(jobs: Sequence[Job]) -> None:
         tasks += [(dst, rows[a:b], src[a:b]) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
     if len(tasks) <= 1:
         for t in tasks:
-            _scatter(*t)
+            _run(*t)
         return
     if _pool is None:
         _pool = ThreadPoolExecutor(THREADS, thread_name_prefix="cachedarrays-scatter")
-    for f in [_pool.submit(_scatter, *t) for t in tasks]:
+    for f in [_pool.submit(_run, *t) for t in tasks]:
         f.result()
 
 
