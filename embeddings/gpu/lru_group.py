@@ -7,8 +7,9 @@ tables' batches are placed together, as FBGEMM's table-batched embeddings do: on
 the concatenated indices, one sort of keys that number the sets of all tables one after the
 other (so each table's misses stay grouped by set, the tables one after the other), one victim
 selection, one write-back (:func:`write_back`: one block, one copy, CPU threads at home in the
-background) and one read kernel over the rows that move, one settle. Each kernel finds its table's parameters and arrays (tags, stamps, dirty bits, rows, the mapped base
-table, Adagrad's accumulators) in a small table of pointers, :attr:`Group.dev`.
+background) and one read kernel over the rows that move, one settle. Each kernel finds its
+table's parameters and arrays (tags, stamps, dirty bits, rows, the mapped base table, Adagrad's
+accumulators) in a small table of pointers, :attr:`Group.dev`.
 
 The decisions are the per-table ones: a row's set, its rank among its set's misses, the way it
 takes, what goes home, all as if each table had been placed alone; the numpy forms below place
@@ -287,12 +288,17 @@ def write_back(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
     block = gather(g, slot[:n], tab[:n])
     host, tabs, rows = be.pinned((n, F), np.float32), be.pinned((n,), np.int64), be.pinned((n,), np.int64)
     fence = be.download_aside([(host, block), (tabs, tab[:n]), (rows, hrow[:n])])
+    sources = [block, tab, hrow]  # what the copy reads stays allocated until it has landed
+
+    def landed() -> None:
+        be.wait(fence)
+        sources.clear()
 
     def jobs() -> list:
         cut = np.searchsorted(tabs, np.arange(g.T + 1))
         return [(tb._base, rows[cut[t]:cut[t + 1]], host[cut[t]:cut[t + 1]])
                 for t, tb in enumerate(g.tables) if cut[t + 1] > cut[t]]
-    home = scatter_later(lambda: be.wait(fence), jobs)
+    home = scatter_later(landed, jobs)
     for tb in g.tables:
         tb._home = home
 
