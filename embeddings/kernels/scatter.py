@@ -18,6 +18,7 @@ scatter of one step unfinished when the next step needed its rows).
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -49,6 +50,7 @@ Job = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 _pool: ThreadPoolExecutor | None = None
 _later: ThreadPoolExecutor | None = None
+_start = threading.Lock()  # the pools are made on first use, from whichever thread comes first
 
 
 @njit(cache=True, nogil=True)
@@ -98,8 +100,9 @@ def scatter_rows(jobs: Sequence[Job]) -> None:
         for t in tasks:
             _run(*t)
         return
-    if _pool is None:
-        _pool = ThreadPoolExecutor(THREADS, thread_name_prefix="cachedarrays-scatter")
+    with _start:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(THREADS, thread_name_prefix="cachedarrays-scatter")
     for f in [_pool.submit(_run, *t) for t in tasks]:
         f.result()
 
@@ -109,8 +112,9 @@ def scatter_later(ready: Callable[[], None], jobs: Callable[[], Sequence[Job]]) 
     land in host memory), on a background thread; the future is done when the rows are home.
     Scatters started this way run one after the other, in the order they were started."""
     global _later
-    if _later is None:
-        _later = ThreadPoolExecutor(1, thread_name_prefix="cachedarrays-home")
+    with _start:
+        if _later is None:
+            _later = ThreadPoolExecutor(1, thread_name_prefix="cachedarrays-home")
 
     def run() -> None:
         ready()
