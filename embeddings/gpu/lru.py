@@ -112,9 +112,8 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         xp = self.backend.xp
         # on the device: hits, misses, rows admitted, evictions written back, the last placement left a row out
         self._counts = xp.zeros(5, np.int64)
-        self._mail = self.backend.pinned((5,), np.int64)  # their copy on the host (:meth:`_post`)
+        self._mail = self.backend.pinned((5,), np.int64)  # their copy on the host (:meth:`_sync_counts`)
         self._mail[:] = 0
-        self._mail_fence: Any = False  # False: the copy is read (or nothing was queued)
         self._seen = np.zeros(2, np.int64)  # admitted, written back as last accounted
         self._clock = 0  # stamps given out so far
         self._inflight_stamp = 0  # the stamp of the batch resolved last (its ways are locked for a prefetch)
@@ -258,10 +257,9 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         """Slots for the flat device indices ``idx`` under a new stamp (:func:`.lru_group.place`
         for this table alone, the ways of this batch locked, and those of stamps from ``lock``
         on when given): hits stamped, misses admitted into the least recently used ways of
-        their sets, the rest staged; hits and misses counted when ``count``. The host waits
-        only to stage (when some row found no way)."""
+        their sets, the rest staged; hits and misses counted when ``count``. The host waits for
+        the number of rows going home and for the placement's counts."""
         xp = self.backend.xp
-        self._collect()
         self._clock += 1
         n = int(idx.size)
         if n == 0:
@@ -269,26 +267,16 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         g = LG.Group([self], [n], [self._clock], [self._clock if lock is None else min(lock, self._clock)])
         p = LG.place(g, idx, xp, count)
         self._generation += 1
-        self._post()
-        if self._collect():
+        if self._sync_counts():
             rest = xp.flatnonzero(p.first & (p.victim < 0))
             p.victim[rest] = self._nslots + self._stage(p.row[rest])
         return LG.slots(g, p)
 
-    def _post(self) -> None:
-        """Queue the copy of the counts (admitted, written back, whether a row was left out)
-        into host memory, for :meth:`_collect`."""
+    def _sync_counts(self) -> bool:
+        """Wait for the last placement's counts (rows admitted, written back, whether a row was
+        left out), account its moves to the manager and say whether some row found no way."""
         self.backend.download(self._mail, self._counts)
-        self._mail_fence = self.backend.fence()
-
-    def _collect(self) -> bool:
-        """Account the rows the last placement moved to the manager (after its work finished:
-        at once in the steady state, where a prefetch's thread waited for it); whether some
-        row of it found no way."""
-        if self._mail_fence is False:
-            return bool(self._mail[4])
-        self.backend.wait(self._mail_fence)
-        self._mail_fence = False
+        self.backend.wait(self.backend.fence())
         seen = np.array(self._mail[2:4])
         admitted, back = (int(d) for d in seen - self._seen)
         self._seen = seen
@@ -402,7 +390,6 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
     def counts(self) -> np.ndarray:
         """Hits, misses, rows admitted (read from the device)."""
         self._join()
-        self._collect()
         return np.array(self.backend.to_host(self._counts[:3]))
 
     @property
@@ -418,7 +405,6 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         this returns."""
         self._check_open()
         self._join()
-        self._collect()
         self._finish_staging()
         xp = self.backend.xp
         d = xp.flatnonzero((self._tags >= 0) & self._dirty[:self._nslots])
@@ -493,7 +479,6 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
 
     def reset_counters(self) -> None:
         self._join()
-        self._collect()
         self._counts.fill(0)
         self._seen[:] = 0
         self.prefetch_fallbacks = 0
@@ -566,16 +551,13 @@ def _place_work(tables: list[LRUCachedEmbeddings], flats: list[np.ndarray]) -> C
         try:
             now = []
             for t in tables:
-                t._collect()
                 t._clock += 1
                 now.append(t._clock)
             g = LG.Group(tables, [f.size for f in flats], now, [lk or n for lk, n in zip(locks, now)])
             xp = be.xp
             idx = be.upload_concat(flats, np.int64)
             slots = LG.slots(g, LG.place(g, idx, xp))
-            for t in tables:
-                t._post()
-            placed = [not t._collect() for t in tables]  # waits for each table's counts
+            placed = [not t._sync_counts() for t in tables]
             for i, t in enumerate(tables):
                 with t._ahead_lock:
                     t._ahead.append(Ahead(flats[i], slots[g.span(i)], now[i], placed[i]))
