@@ -55,6 +55,12 @@ def rows_aligned(a: np.ndarray) -> bool:
     return a.ctypes.data % math.gcd(int(a.strides[0]), LINE) == 0
 
 
+def rows_on_lines(a: np.ndarray) -> bool:
+    """Whether every row of the 2-d array ``a`` starts on a cache line (what streaming stores
+    of whole rows need: a misaligned one faults)."""
+    return a.ctypes.data % LINE == 0 and a.strides[0] % LINE == 0
+
+
 def aligned_copy(a: np.ndarray) -> np.ndarray:
     """A C-contiguous copy of ``a`` (same shape and dtype, always writeable) starting on a cache
     line. Copied by ``cachedarrays.copy.copy_bytes`` (two threads from 16 MB): a 256 MB table took

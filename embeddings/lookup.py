@@ -10,7 +10,7 @@ import numpy as np
 from numba import get_num_threads
 
 from . import config
-from .aligned import aligned_empty
+from .aligned import aligned_empty, rows_on_lines
 from .batch import Bags, make_bags
 from .gpu import table_on_gpu
 from .kernels import lookup as K
@@ -44,7 +44,7 @@ def streams(out: np.ndarray) -> bool:
     """Whether a non-reducing lookup writes ``out`` with streaming stores: at least
     ``config.STREAM_MIN_BYTES`` and every row on a 64-byte boundary (e.g. rows of a multiple of
     16 floats in an array from :func:`aligned_empty`, or a column slice of one at such an offset)."""
-    return out.nbytes >= config.STREAM_MIN_BYTES and out.ctypes.data % 64 == 0 and out.strides[0] % 64 == 0
+    return out.nbytes >= config.STREAM_MIN_BYTES and rows_on_lines(out)
 
 
 def run_lookup(out: np.ndarray, src: RowSource, bags: Bags) -> None:

@@ -76,7 +76,7 @@ class ReferenceBackend:
 
     def download_aside(self, pairs: list[tuple[np.ndarray, Any]]) -> Any:
         for dst, src in pairs:
-            dst[...] = src
+            self.download(dst, src)
         return None
 
     def mapped(self, host: np.ndarray, register: bool = True, name: str = "array") -> tuple[np.ndarray, Any]:

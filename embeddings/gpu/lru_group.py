@@ -26,11 +26,16 @@ from ..kernels.scatter import scatter_later
 from . import cuda
 from . import lru_kernels as LK
 
-SOURCE = LK.SOURCE_HEAD + r"""
+# a table's row of the pointer table (:attr:`Group.dev`): parameters, then device pointers
+FIELDS = ("P_SETS", "P_WAYS", "P_R", "P_SBASE", "P_NOW", "P_LOCK", "P_TAGS", "P_STAMP", "P_DIRTY", "P_COUNTS", "P_W",
+          "P_HOME", "P_DSTATE", "P_HSTATE")
+P_W, P_HOME, P_DSTATE, P_HSTATE = (FIELDS.index(f) for f in ("P_W", "P_HOME", "P_DSTATE", "P_HSTATE"))
+
+SOURCE = LK.SOURCE_HEAD + f"""
 /* per table, a row of NF int64: parameters, then device pointers */
-#define NF 14
-enum { P_SETS, P_WAYS, P_R, P_SBASE, P_NOW, P_LOCK, P_TAGS, P_STAMP, P_DIRTY, P_COUNTS, P_W, P_HOME, P_DSTATE,
-       P_HSTATE };
+#define NF {len(FIELDS)}
+enum {{ {", ".join(FIELDS[:13])},
+       {", ".join(FIELDS[13:])} }};""" + r"""
 
 __device__ __forceinline__ int table_of(const i64* bounds, int T, i64 x) {  /* last t with bounds[t] <= x */
     int lo = 0, hi = T - 1;
@@ -145,9 +150,6 @@ extern "C" __global__ void tb_settle(const i64* row, const i64* victim, const i6
     }
 }
 """
-
-NF = 14
-P_W, P_HOME, P_DSTATE, P_HSTATE = 10, 11, 12, 13
 
 
 def _launch(name: str, work: int, args: tuple, most: int = 65536) -> None:

@@ -26,7 +26,8 @@ import numpy as np
 from numba import njit
 
 from .intrinsics import store_fence
-from .rowaccess import LINE, out_ptr, spec_for, uidx
+from ..aligned import rows_on_lines
+from .rowaccess import out_ptr, spec_for, uidx
 from .simd import vcopy, vcopy_stream
 
 PIECE = 8192  # rows per task at least: a task's fixed cost stays small against its copies
@@ -74,7 +75,7 @@ def _run(dst: np.ndarray, rows: np.ndarray, src: np.ndarray) -> None:
     """One piece, by the fastest kernel its arrays allow."""
     spec = spec_for(dst.shape[1]) if dst.ndim == 2 else ()
     if spec and dst.dtype == np.float32 and dst.strides[1] == 4 and src.strides[1] == 4:
-        stream = dst.ctypes.data % LINE == 0 and dst.strides[0] % LINE == 0
+        stream = rows_on_lines(dst)
         _scatter_simd(spec, dst, rows.astype(np.int64, copy=False), src, stream)
     else:
         _scatter(dst, rows, src)
