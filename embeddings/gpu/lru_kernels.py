@@ -1,5 +1,5 @@
-"""One ``lru`` table's steps of placing a batch (:mod:`.lru`), and the CUDA kernels the
-table-batched placement (:mod:`.lru_group`) shares with them.
+"""One ``lru`` table's part of placing a batch, and the kernels the table-batched placement
+(:mod:`.lru_group`, which :mod:`.lru` uses for one table too) shares with it.
 
 Every array keeps the batch's length (entries that are not a distinct miss carry -1), so that
 nothing waits for a size on the host.
@@ -12,7 +12,7 @@ nothing waits for a size on the host.
 * :func:`settle` – after the victims' dirty rows went home and the new rows came in, record the
   new tags;
 * :func:`slots` – every index of a miss gets its distinct miss's slot;
-* :func:`copy_rows` – ``dst[drow] = src[srow]`` row by row, for a count the device may hold.
+* :func:`copy_rows` – ``dst[drow] = src[srow]`` row by row (staging and whole-cache write-backs).
 
 :func:`probe`, :func:`victims` and :func:`settle` are numpy only: they are the numpy forms of
 one table's part of :mod:`.lru_group`'s kernels, which do all tables at once on a GPU. The others
@@ -178,16 +178,12 @@ def slots(sk: Any, order: Any, victim: Any, none: int, slot: Any) -> None:
         _launch("lru_slots", n, (sk, order, victim, np.int64(n), np.int64(none), slot))
 
 
-def copy_rows(dst: Any, drow: Any, src: Any, srow: Any, n: int, dbase: int = 0, sbase: int = 0,
-              count: Any = None, blocks: int | None = None) -> None:
-    """``dst[drow] = src[srow]`` for ``n`` rows, or for the first ``count`` (a device scalar: a
-    size nobody waits for) when given; a None index array stands for ``base + arange(n)``.
-    ``blocks``: at most this many blocks (default :data:`HOST_BLOCKS`: one side is host memory)."""
+def copy_rows(dst: Any, drow: Any, src: Any, srow: Any, n: int, dbase: int = 0, sbase: int = 0) -> None:
+    """``dst[drow] = src[srow]`` for ``n`` rows; a None index array stands for ``base + arange(n)``.
+    One side is host memory: :data:`HOST_BLOCKS` blocks."""
     if n == 0:
         return
     if _host(dst):
-        if count is not None:
-            n = min(n, int(count))
         d = np.arange(dbase, dbase + n) if drow is None else drow[:n]
         s = np.arange(sbase, sbase + n) if srow is None else srow[:n]
         dst[d] = src[s]
@@ -195,6 +191,5 @@ def copy_rows(dst: Any, drow: Any, src: Any, srow: Any, n: int, dbase: int = 0, 
     F = dst.shape[1] if dst.ndim == 2 else 1
     vt, FT = vector_kind(F, dst, src)
     _launch(f"lru_copy_{vt}", n * FT, (dst, cuda.ptr(drow), np.int64(dbase), src,
-                                       cuda.ptr(srow), np.int64(sbase), np.int64(n), np.int32(FT),
-                                       cuda.ptr(count)),
-            HOST_BLOCKS if blocks is None else blocks)
+                                       cuda.ptr(srow), np.int64(sbase), np.int64(n), np.int32(FT), cuda.NULL),
+            HOST_BLOCKS)
