@@ -610,6 +610,24 @@ def test_prefetched_batches_that_do_not_fit_the_cache_are_counted_and_warned_abo
     m.check()
 
 
+def test_the_too_small_cache_warning_needs_three_fallbacks_in_a_row():
+    """Fallback, fallback, a batch that fit, fallback: three counted, no warning (the batch that
+    fit starts the run again); two more in a row make three and warn."""
+    import warnings
+    _, m, t = fresh(13, cache_rows=40, name="t9")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for placed in (False, False, True, False):
+            t._prefetch_outcome(placed)
+        assert t.prefetch_fallbacks == 3 and not seen
+        t._prefetch_outcome(False)
+        assert not seen
+        t._prefetch_outcome(False)
+    assert t.prefetch_fallbacks == 5 and [str(w.message)[:20] for w in seen] == ["t9: three prefetched"]
+    t.close()
+    m.check()
+
+
 def test_a_prefetch_started_before_the_lookup_runs_beside_the_whole_step(monkeypatch):
     """The DLRM step's order for lru tables: the next batch's prefetch starts before the current
     batch's lookup and is joined after its update. The lookup and the update of a batch whose

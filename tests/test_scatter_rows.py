@@ -8,7 +8,8 @@ from embeddings.kernels.scatter import scatter_rows
 
 
 @pytest.mark.parametrize("n", [0, 1, 5000, 3 * scatter.PIECE + 17])
-def test_rows_land_where_they_belong_in_every_table(n):
+def test_rows_land_where_they_belong_in_every_table(n, monkeypatch):
+    monkeypatch.setattr(scatter, "THREADS", 4)  # jobs split into pieces on any machine
     rng = np.random.default_rng(n)
     tables = [rng.standard_normal((40_000, 8)).astype(np.float32) for _ in range(3)]
     want = [t.copy() for t in tables]
@@ -23,12 +24,20 @@ def test_rows_land_where_they_belong_in_every_table(n):
         assert np.array_equal(t, w)
 
 
-@pytest.mark.parametrize("F,dtype,offset", [(64, np.float32, 0), (64, np.float32, 4), (8, np.float32, 0),
-                                             (5, np.float32, 0), (64, np.float64, 0)])
-def test_every_kernel_writes_exactly_the_rows_it_is_given(F, dtype, offset):
+@pytest.mark.parametrize("F,dtype,offset,kernel", [(64, np.float32, 0, "streamed"), (64, np.float32, 4, "vector"),
+                                                    (8, np.float32, 0, "vector"), (5, np.float32, 0, "numba"),
+                                                    (64, np.float64, 0, "numba")])
+def test_every_kernel_writes_exactly_the_rows_it_is_given(F, dtype, offset, kernel, monkeypatch):
     """Streamed (rows on cache lines), vector-copied (a table 4 bytes off a line, or rows shorter
-    than a line) and numba's row assignment (other feature sizes and element types) agree with numpy."""
+    than a line) and numba's row assignment (other feature sizes and element types) agree with
+    numpy, each case through the kernel it is meant for."""
     from embeddings.aligned import aligned_empty
+    used = []
+    simd, plain = scatter._scatter_simd, scatter._scatter
+    monkeypatch.setattr(scatter, "_scatter_simd",
+                        lambda spec, d, r, s_, stream: used.append("streamed" if stream else "vector") or
+                        simd(spec, d, r, s_, stream))
+    monkeypatch.setattr(scatter, "_scatter", lambda d, r, s_: used.append("numba") or plain(d, r, s_))
     rng = np.random.default_rng(F + offset)
     n, R = 5000, 3 * scatter.PIECE + 5
     raw = aligned_empty(n * F + offset // np.dtype(dtype).itemsize + 1, dtype)
@@ -41,13 +50,15 @@ def test_every_kernel_writes_exactly_the_rows_it_is_given(F, dtype, offset):
     want[rows] = src
     scatter_rows([(dst, rows, src)])
     assert np.array_equal(dst, want)
+    assert used and set(used) == {kernel}
 
 
 def test_bad_input_is_refused_before_anything_is_written():
     dst = np.zeros((10, 4), np.float32)
     ok = (dst, np.array([1, 2]), np.ones((2, 4), np.float32))
-    with pytest.raises(IndexError, match="outside 0..9"):
-        scatter_rows([(dst, np.array([3, 10]), np.ones((2, 4), np.float32))])
+    for rows in ([3, 10], [-1, 3]):
+        with pytest.raises(IndexError, match="outside 0..9"):
+            scatter_rows([ok, (dst, np.array(rows), np.ones((2, 4), np.float32))])
     with pytest.raises(ValueError, match="scatter of"):
         scatter_rows([ok, (dst, np.array([1, 2]), np.ones((2, 3), np.float32))])
     assert not dst.any()
@@ -56,10 +67,14 @@ def test_bad_input_is_refused_before_anything_is_written():
 def test_a_later_scatter_waits_for_its_rows_and_scatters_run_in_the_order_started():
     import threading
     dst = np.zeros((100, 2), np.float32)
-    landed = threading.Event()
-    first = scatter.scatter_later(lambda: landed.wait(5), lambda: [(dst, np.array([7]), np.full((1, 2), 1, np.float32))])
+    landed, asked = threading.Event(), threading.Event()
+
+    def first_jobs():
+        asked.set()
+        return [(dst, np.array([7]), np.full((1, 2), 1, np.float32))]
+    first = scatter.scatter_later(lambda: landed.wait(5), first_jobs)
     second = scatter.scatter_later(lambda: None, lambda: [(dst, np.array([7]), np.full((1, 2), 2, np.float32))])
-    assert not first.done() and not dst.any()  # nothing is written before its rows have landed
+    assert not asked.wait(0.2) and not first.done() and not dst.any()  # nothing before its rows have landed
     landed.set()
     second.result(5)
     assert first.done() and dst[7].tolist() == [2, 2]  # the later scatter's rows won
