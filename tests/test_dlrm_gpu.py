@@ -189,8 +189,10 @@ def test_the_per_table_path_prefetches_the_next_batch_while_the_dense_work_runs(
 
     events = []
     monkeypatch.setattr(gpu, "prefetch", lambda t, idx: events.append((t.name, idx)))
+    started = object()  # what a background prefetch hands back, to be joined at the end of the step
     monkeypatch.setattr(gpu.prefetcher, "start", lambda ts, idx, fallback: events.append(
-        ("background", [t.name for t in ts], idx)))
+        ("background", [t.name for t in ts], idx)) or started)
+    monkeypatch.setattr(gpu.prefetcher, "finish", lambda p: events.append("finish" if p is started else ("finish", p)))
     monkeypatch.setattr(M, "table_on_gpu", lambda t: False)  # host tables: per-table calls
     monkeypatch.setattr(M, "is_cached", lambda t: True)  # that prefetch as cached ones do
     monkeypatch.setattr(M, "_sync_cupy", lambda: None)
@@ -203,16 +205,18 @@ def test_the_per_table_path_prefetches_the_next_batch_while_the_dense_work_runs(
     grad, lookup = cached._grad, cached.lookup
     cached._grad = lambda *a: (events.append("dense"), grad(*a))[1]
     cached.lookup = lambda b: (events.append("lookup"), lookup(b))[1]
+    pullback = cached._pullback
+    cached._pullback = lambda *a: (events.append("update"), pullback(*a))[1]
     got = []
     for j, b in enumerate(batches):
         events.clear()
         nxt = batches[j + 1] if j + 1 < len(batches) else None
         got.append(cached.train_step(b, nxt).loss)
         if nxt is None:
-            assert events == ["lookup", "dense"]
+            assert events == ["lookup", "dense", "update"]
         else:
             assert [e if isinstance(e, str) else e[:2] if e[0] == "background" else e[0] for e in events] == \
-                [("background", ["t1", "t3"]), "lookup", "dense", "t0", "t2"]
+                [("background", ["t1", "t3"]), "lookup", "dense", "t0", "t2", "update", "finish"]
             for idx, t in zip(events[0][2], (1, 3)):
                 np.testing.assert_array_equal(idx, nxt.bags(t)[0])
             for (name, idx), t in zip(events[3:], (0, 2)):
