@@ -18,19 +18,26 @@ def test_union_and_overlap():
 
 
 def test_the_summary_of_two_streams_and_a_host_call():
+    def host(name, ts, dur):
+        return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur, "tid": 9}
     events = [kernel("move", 1000, 4000, 76), kernel("move", 9000, 1000, 76),
               kernel("update", 3000, 3000, 7), kernel("copy", 20000, 500, 7, "gpu_memcpy"),
-              {"ph": "X", "cat": "cuda_runtime", "name": "cudaEventSynchronize", "ts": 1500, "dur": 3000, "tid": 9},
+              kernel("tiny", 4000, 100, 7), kernel("late", 17000, 1000, 76),
+              host("cudaEventSynchronize", 1500, 3000), host("cudaLaunchKernel", 2000, 100),
+              host("cudaMemcpyAsync", 18000, 500),
               {"ph": "X", "cat": "cpu_op", "name": "not a GPU event", "ts": 0, "dur": 99999}]
     s = summarise(events, timeline_ms=15, shortest_us=600)
-    assert s["gpu_events"] == 4
+    assert s["gpu_events"] == 6
     assert s["span_ms"] == 19.5  # 1.0 ms .. 20.5 ms
-    assert s["gpu_busy_ms"] == 6.5  # 1-6, 9-10, 20-20.5
+    assert s["gpu_busy_ms"] == 7.5  # 1-6, 9-10, 17-18, 20-20.5
     st = s["streams"]
-    assert st["76"]["busy_ms"] == 5.0 and st["76"]["overlapped_by_others_ms"] == 2.0
+    assert st["76"]["busy_ms"] == 6.0 and st["76"]["overlapped_by_others_ms"] == 2.0
     assert st["7"]["busy_ms"] == 3.5 and st["7"]["overlapped_by_others_ms"] == 2.0
-    assert st["76"]["top"] == [("move", 5.0)]
-    assert s["host_calls_ms"] == {"9": [("cudaEventSynchronize", 3.0)]}
+    assert st["76"]["top"] == [("move", 5.0), ("late", 1.0)]
+    assert s["host_calls_ms"] == {"9": [("cudaEventSynchronize", 3.0), ("cudaMemcpyAsync", 0.5),
+                                        ("cudaLaunchKernel", 0.1)]}
+    # long host calls: 200 us or more, within the timeline's 15 ms (not the short launch, not the late copy)
     assert s["long_host_calls"] == [(0.5, 3.0, "9", "cudaEventSynchronize")]
-    assert [e[3] for e in s["timeline"]] == ["move", "update", "move"]  # the copy is past 15 ms
+    # the timeline: kernels of 600 us or more within 15 ms (not "tiny", not "late", not the copy)
+    assert [e[3] for e in s["timeline"]] == ["move", "update", "move"]
     assert summarise([e for e in events if e["cat"] == "cpu_op"]) == {"gpu_events": 0}
