@@ -288,14 +288,19 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
             m.account(m.slow, m.fast, admitted * self._rowbytes, 0.0)
         return bool(self._mail[4])
 
+    def _homes(self, rows: bool = True, state: bool = True) -> list[tuple[Any, Any]]:
+        """(device array, its home as the device sees it) for the rows (when ``rows``) and
+        Adagrad's accumulator (when ``state`` and there is one): what moves with a row."""
+        pairs = [(self._W, self._hbase)] if rows else []
+        if state and self._dstate is not None:
+            pairs.append((self._dstate, self._hstate_dev))
+        return pairs
+
     def _copy(self, drow: Any, srow: Any, n: int, down: bool, base: int = 0, state: bool = True) -> None:
         """Rows (and Adagrad's accumulator when ``state``) between the device arrays and the
         host: ``down`` copies device rows ``srow`` to host rows ``drow``, else host rows ``srow``
         to device rows ``drow``; a None index array stands for ``base + arange(n)``."""
-        pairs = [(self._W, self._hbase)]
-        if state and self._dstate is not None:
-            pairs.append((self._dstate, self._hstate_dev))
-        for dev, home in pairs:
+        for dev, home in self._homes(state=state):
             if down:
                 LK.copy_rows(home, drow, dev, srow, n, sbase=base)
             else:

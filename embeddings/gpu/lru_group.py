@@ -338,9 +338,7 @@ def move(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, down: bool, rows:
         c = int(count[0])
         for t, tb in enumerate(g.tables):
             at = np.flatnonzero(tab[:c] == t)
-            pairs = [(tb._W, tb._hbase)] if rows else []
-            pairs += [(tb._dstate, tb._hstate_dev)] if tb._dstate is not None else []
-            for dev, home in pairs:
+            for dev, home in tb._homes(rows=rows):
                 if down:
                     home[hrow[at]] = dev[slot[at]]
                 else:
