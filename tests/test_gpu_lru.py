@@ -740,6 +740,46 @@ def test_the_dlrm_model_reads_and_restores_a_cached_gpu_tables_adagrad_state(mon
     t.close()
 
 
+def test_a_lookup_of_a_batch_nobody_prefetched_keeps_the_next_batchs_placement(monkeypatch):
+    """The trainer's order (the next batch's prefetch started, then the current lookup), with the
+    prefetch landed before the lookup. A lookup of a batch that was not prefetched (the first
+    one, one after a skipped batch, evaluation lookups) must keep the placement of the batch
+    prefetched just before it: dropping it made every later lookup place its own batch too.
+    Placements prefetched before the previous lookup were skipped, and go."""
+    from embeddings.gpu import prefetcher
+    rng = np.random.default_rng(16)
+    W0 = rng.standard_normal((N, F)).astype(np.float32)
+    m = host_manager()
+    t, ref = make(W0, m, cache_rows=256, ways=8), Reference(W0)  # room for three batches: every row finds a way
+    own = []
+    place = LRUCachedEmbeddings._place
+    monkeypatch.setattr(LRUCachedEmbeddings, "_place", lambda self, *a, **k: own.append(j) or place(self, *a, **k))
+    batches = [zipf_batch(rng, 8, 4) for _ in range(40)]
+
+    def lookup(b):
+        assert np.array_equal(_host(E.lookup(t, b)), ref.lookup(b))
+
+    def step(cur, nxt):
+        prefetcher.finish(prefetcher.start([t], [batches[nxt].ravel()], None))
+        lookup(batches[cur])
+        g = rng.standard_normal((8, F)).astype(np.float32)
+        E.pullback(t, g, batches[cur], optimizer=E.SGD(0.1))
+        ref.pullback(g, batches[cur], optimizer=E.SGD(0.1))
+        t.check()
+
+    for j in [*range(10), *range(14, 24)]:  # batch 10 is prefetched, then skipped
+        step(j, j + 1)
+    for j in range(30, 33):  # evaluation: lookups only
+        lookup(batches[j])
+        assert len(t._ahead) == 0  # the skipped batch 24 went at the first of them
+    for j in range(24, 29):
+        step(j, j + 1)
+    assert own == [0, 14, 30, 31, 32, 24]
+    assert np.array_equal(contents(t), ref.W)
+    t.close()
+    m.check()
+
+
 def test_a_lookup_waits_for_a_background_prefetch_that_nobody_joined():
     from embeddings.gpu import prefetcher
     rng = np.random.default_rng(14)

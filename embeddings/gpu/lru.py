@@ -122,6 +122,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         self._memo: tuple | None = None  # (indices, offsets, weights, mode, generation, bags)
         self._ahead: collections.deque[Ahead] = collections.deque()  # prefetched batches, oldest first
         self._ahead_lock = threading.Lock()  # a prefetch's thread appends, the caller's lookups take
+        self._lookups = 0  # batches resolved so far that could have taken a prefetched placement
         self._generation = 0  # changes whenever a resolved slot may stop holding its row
         self.rows_written_back = 0
         self.prefetch_fallbacks = 0  # prefetched batches whose lookup had to place them itself
@@ -214,15 +215,22 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         return works
 
     def _take_ahead(self, flat: np.ndarray) -> Ahead | None:
-        """The prefetched placement of ``flat`` if it is the oldest one (older ones are dropped).
-        A prefetched placement stays valid until it is taken: later placements lock its ways,
-        and whatever drops cached rows (flushes, invalidation) drops it too."""
+        """The prefetched placement of ``flat``, dropping those prefetched before it. When there is
+        none, the placements started since the previous lookup stay (they are the next batches':
+        a trainer starts the next batch's prefetch before the current lookup, and it may have
+        landed already) and older ones are dropped: they were skipped, and while queued they
+        lock their ways. A prefetched placement stays valid until it is taken or dropped: later
+        placements lock its ways, and whatever drops cached rows (flushes, invalidation) drops
+        it too."""
         with self._ahead_lock:
-            while self._ahead:
-                a = self._ahead.popleft()
-                if _same(a.flat, flat):
-                    return a
-        return None
+            found = next((i for i, a in enumerate(self._ahead) if _same(a.flat, flat)), None)
+            if found is None:
+                self._ahead = collections.deque(a for a in self._ahead if a.since == self._lookups)
+            else:
+                for _ in range(found):
+                    self._ahead.popleft()
+            self._lookups += 1
+            return None if found is None else self._ahead.popleft()
 
     def _prefetch_outcome(self, placed: bool) -> None:
         """Count a prefetched batch whose lookup must place it itself (some row found no way,
@@ -522,11 +530,13 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
 
 class Ahead(NamedTuple):
     """A prefetched batch: its host indices, its slots on the device, the stamp of its
-    placement and whether every row found a slot."""
+    placement, whether every row found a slot, and how many lookups its table had seen when
+    the prefetch started."""
     flat: np.ndarray
     slots: Any
     stamp: int
     placed: bool
+    since: int
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
@@ -545,7 +555,7 @@ def _place_work(tables: list[LRUCachedEmbeddings], flats: list[np.ndarray]) -> C
     the update of the batch in flight. Both keep their slots: each table's lock is the stamp of
     the oldest prefetched batch not yet looked up, else of the batch looked up last (taken now,
     in the caller's thread; work queued before this prefetch is done before it starts)."""
-    locks, events = [], []
+    locks, events, since = [], [], [t._lookups for t in tables]
     for t in tables:
         locks.append(t._ahead[0].stamp if t._ahead else (t._inflight_stamp or None))
         t._inflight = threading.Event()
@@ -565,7 +575,7 @@ def _place_work(tables: list[LRUCachedEmbeddings], flats: list[np.ndarray]) -> C
             placed = [not t._sync_counts() for t in tables]
             for i, t in enumerate(tables):
                 with t._ahead_lock:
-                    t._ahead.append(Ahead(flats[i], slots[g.span(i)], now[i], placed[i]))
+                    t._ahead.append(Ahead(flats[i], slots[g.span(i)], now[i], placed[i], since[i]))
             return all(placed)
         finally:
             be.sync()  # this thread's stream: every write of the prefetch has landed
