@@ -86,6 +86,10 @@ class DLRM:
         # own calls.
         self._per_table = device == "gpu" and not all(table_on_gpu(t) for t in self.tables)
         self._prefetching = device == "gpu" and any(is_cached(t) for t in self.tables)
+        # every table in HBM: a step's indices go up once, for its lookup and its update (cached
+        # tables take host indices, which they match against the batches they prefetched)
+        self._upload_indices = device == "gpu" and not self._per_table and not self._prefetching
+        self._indices: tuple[Batch, list] | None = None
         g = max(1, int(group_size)) if device == "cpu" else len(self.tables)
         self.groups = [(a, min(a + g, len(self.tables))) for a in range(0, len(self.tables), g)]
         self.ensembles = [] if self._per_table else [Ensemble(self.tables[a:b]) for a, b in self.groups]
@@ -108,7 +112,7 @@ class DLRM:
             if self._per_table:
                 return jnp.stack([_as_jax(lookup(t, batch.indices[i], _at(batch.offsets, i)))
                                   for i, t in enumerate(self.tables)], axis=1)
-            return _as_jax(self.ensembles[0].lookup(batch.indices, batch.offsets))
+            return _as_jax(self.ensembles[0].lookup(self._sparse(batch, upload=True), batch.offsets))
         shape = (len(batch), self.config.ntables, self.config.featuresize)
         if self._buf is None or self._buf.shape != shape:
             self._buf = aligned_empty(shape)
@@ -121,7 +125,7 @@ class DLRM:
             for i, t in enumerate(self.tables):
                 pullback(t, grad[:, i, :], batch.indices[i], _at(batch.offsets, i), optimizer=self.table_opt)
         elif self.device == "gpu":  # one ensemble, the gradient as it is (no per-table slices of a JAX array)
-            self.ensembles[0].pullback(grad, batch.indices, batch.offsets, optimizer=self.table_opt)
+            self.ensembles[0].pullback(grad, self._sparse(batch), batch.offsets, optimizer=self.table_opt)
         else:
             for (a, b), ens in zip(self.groups, self.ensembles):
                 ens.pullback(grad[:, a:b, :], batch.indices[a:b], _part(batch.offsets, a, b),
@@ -130,6 +134,22 @@ class DLRM:
             # The kernels read JAX's gradient buffer, which JAX frees without waiting for CuPy's
             # stream once the value dies: finish them before it can.
             _sync_cupy()
+
+    def _sparse(self, batch: Batch, upload: bool = False) -> list:
+        """``batch``'s indices for the GPU ensemble. When every table is in HBM, device copies:
+        made by a lookup (``upload``) and taken by the update of the same batch that follows it,
+        so a step does not upload and check on the host twice what it uses twice (the tables
+        check device indices on the device, raising the host path's errors)."""
+        if not self._upload_indices:
+            return batch.indices
+        memo, self._indices = self._indices, None
+        if upload or memo is None or memo[0] is not batch:
+            from cachedarrays.devices.gpu import cupy
+            cp = cupy()
+            memo = (batch, [cp.asarray(i) for i in batch.indices])
+        if upload:
+            self._indices = memo
+        return memo[1]
 
     def prefetch(self, batch: Batch, background: bool = True) -> Any:
         """On the GPU: bring ``batch``'s rows into the cached tables while the current batch

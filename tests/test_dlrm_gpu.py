@@ -226,6 +226,42 @@ def test_the_per_table_path_prefetches_the_next_batch_while_the_dense_work_runs(
     np.testing.assert_allclose(got, expected, rtol=1e-4)
 
 
+@pytest.mark.gpu
+@requires_gpu
+def test_with_every_table_in_hbm_a_step_uploads_its_indices_once_and_bad_ones_raise_the_host_error(monkeypatch):
+    """Tables in HBM take a step's indices as device copies made by the lookup and reused by the
+    update: one upload per table and step, the CPU model's losses, and a bad index refused with
+    the host path's error (table, position, value) before any table changes."""
+    import dataclasses
+    import cupy as cp
+    from dlrm import DLRM, DLRMConfig
+    from dlrm.data import SyntheticData
+    from embeddings import SimpleEmbedding
+
+    sizes, F = [50, 200, 30, 1000], 4  # TINY's shapes: the kernels' compiled variants are shared
+    cfg = DLRMConfig(sizes, F, (6, 16, F), (16, 1))
+    data = SyntheticData(sizes, 6, 64, num_indices=3, seed=1)
+    batches = [data.batch(i) for i in range(4)]
+    rng = np.random.default_rng(0)
+    W = [rng.random((n, F), dtype=np.float32) - 0.5 for n in sizes]
+    plain = DLRM(cfg, [SimpleEmbedding(w.copy(), name=f"t{i}") for i, w in enumerate(W)], lr=0.1)
+    model = DLRM(cfg, [SimpleEmbedding(cp.asarray(w), name=f"t{i}") for i, w in enumerate(W)], lr=0.1, device="gpu")
+    uploads = []
+    real = cp.asarray
+    monkeypatch.setattr(cp, "asarray", lambda a, *k, **kw: (uploads.append(id(a)), real(a, *k, **kw))[1])
+    for b in batches[:3]:
+        uploads.clear()
+        np.testing.assert_allclose(model.train_step(b).loss, plain.train_step(b).loss, rtol=1e-4)
+        assert sorted(x for x in uploads if x in {id(i) for i in b.indices}) == sorted(id(i) for i in b.indices)
+    bad = dataclasses.replace(batches[3], indices=[i.copy() for i in batches[3].indices])
+    bad.indices[2][5, 1] = 30
+    before = [t.data.get() for t in model.tables]
+    with pytest.raises(IndexError, match=r"t2: index 30 at position \(5, 1\) is out of range for a table of 30 rows"):
+        model.train_step(bad)
+    assert all(np.array_equal(t.data.get(), w) for t, w in zip(model.tables, before))
+    np.testing.assert_allclose(model.train_step(batches[3]).loss, plain.train_step(batches[3]).loss, rtol=1e-4)
+
+
 def test_the_model_refuses_an_unknown_device():
     from dlrm import DLRM, DLRMConfig
     from embeddings import SimpleEmbedding
