@@ -294,6 +294,42 @@ def test_an_ensemble_and_the_flushes_and_invalidate():
     m.check()
 
 
+def test_an_ensemble_update_plans_every_table_with_one_wait_and_a_table_given_twice_updates_twice(monkeypatch):
+    """The ensemble's update plans all its tables' batches together (one call for their long-row
+    counts: one wait on a GPU), each on the slots its lookup resolved. A cached table given twice
+    resolves and plans each of its batches just before its update (resolving the second batch
+    may move the first's rows), so both updates land as two separate updates would."""
+    from embeddings.gpu.backend import ReferenceBackend
+    rng = np.random.default_rng(17)
+    Ws = [rng.standard_normal((N, F)).astype(np.float32) for _ in range(3)]
+    m = host_manager()
+    ts = [make(W, m, cache_rows=24, ways=4, name=f"t{i}") for i, W in enumerate(Ws)]
+    refs = [Reference(W) for W in Ws]
+    counted = []
+    long_rows = ReferenceBackend.long_rows
+    monkeypatch.setattr(ReferenceBackend, "long_rows", lambda self, srows, C: counted.append(len(srows))
+                        or long_rows(self, srows, C))
+    for members, expect in (([0, 1, 2], [3]), ([0, 1, 0], [1, 1, 1])):
+        ens = E.Ensemble([ts[i] for i in members])
+        for _ in range(4):
+            idx = [zipf_batch(rng, 8, 3) for _ in members]
+            got = _host(ens.lookup(idx))
+            for n, i in enumerate(members):
+                assert np.array_equal(got[:, n], refs[i].lookup(idx[n]))
+            g = rng.standard_normal(got.shape).astype(np.float32)
+            counted.clear()
+            ens.pullback(g, idx, optimizer=E.SGD(0.1))
+            assert counted == expect
+            for n, i in enumerate(members):
+                refs[i].pullback(g[:, n], idx[n], optimizer=E.SGD(0.1))
+            for t, r in zip(ts, refs):
+                t.check()
+                assert np.array_equal(contents(t), r.W)
+    for t in ts:
+        t.close()
+    m.check()
+
+
 def test_the_adagrad_accumulator_is_registered_exactly_while_the_table_uses_it():
     """Freed memory that stays page-locked breaks later host copies from whatever reuses it: the
     accumulator's registration ends when it is replaced, dropped, the table closed or collected."""

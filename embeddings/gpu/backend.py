@@ -130,9 +130,14 @@ class ReferenceBackend:
     def sorted_rows(self, idx, perm) -> np.ndarray:
         return idx[perm]
 
-    def long_rows(self, srow, L: int, C: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
-        """(first entries, ends and first chunk sums of the runs of more than ``C`` entries, how many,
-        chunk sums in all), in row order."""
+    def long_rows(self, srows: list, C: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, int, int]]:
+        """For each sorted batch: (first entries, ends and first chunk sums of the runs of more
+        than ``C`` entries, how many, chunk sums in all), in row order."""
+        return [self._long_rows(srow, C) for srow in srows]
+
+    @staticmethod
+    def _long_rows(srow: np.ndarray, C: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+        L = srow.size
         heads = np.flatnonzero(np.concatenate(([True], srow[1:] != srow[:-1])))
         ends = np.append(heads[1:], L)
         long = (ends - heads) > C
@@ -331,16 +336,20 @@ class CudaBackend:
         cuda.kernel(name)(*cuda.grid_1d(perm.size), (idx, perm, np.int64(perm.size), srow))
         return srow
 
-    def long_rows(self, srow, L: int, C: int) -> tuple[Any, Any, Any, int, int]:
-        """The long rows' runs, in slot order; one sync for their count."""
+    def long_rows(self, srows: list, C: int) -> list[tuple[Any, Any, Any, int, int]]:
+        """Each sorted batch's long rows' runs, in slot order; one sync for all their counts."""
         cp = self.xp
-        cap = L // (C + 1) + 1
-        counter = cp.zeros(1, cp.uint64)
-        lstart, lend, lbase = (cp.empty(cap, cp.int64) for _ in range(3))
-        name = "long_rows_i32" if srow.dtype == np.int32 else "long_rows_i64"
-        cuda.kernel(name)(*cuda.grid_1d(L), (srow, np.int64(L), np.int64(C), counter, lstart, lend, lbase))
-        packed = int(counter.get()[0])
-        return lstart, lend, lbase, packed >> 40, packed & ((1 << 40) - 1)
+        counter = cp.zeros(len(srows), cp.uint64)
+        runs = []
+        for i, srow in enumerate(srows):
+            L = int(srow.size)
+            cap = L // (C + 1) + 1
+            lstart, lend, lbase = (cp.empty(cap, cp.int64) for _ in range(3))
+            name = "long_rows_i32" if srow.dtype == np.int32 else "long_rows_i64"
+            cuda.kernel(name)(*cuda.grid_1d(L), (srow, np.int64(L), np.int64(C), counter[i:], lstart, lend, lbase))
+            runs.append((lstart, lend, lbase))
+        packed = [int(x) for x in counter.get()]
+        return [(*r, x >> 40, x & ((1 << 40) - 1)) for r, x in zip(runs, packed)]
 
     def update(self, W, state, grad, plan: Plan, off, B, k, w, mean, opt, lr, eps) -> None:
         F = W.shape[1]

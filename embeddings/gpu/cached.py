@@ -544,13 +544,22 @@ def prepare(table: CachedEmbeddings, grad: Any, indices: Any, offsets: Any, mode
     return CachedUpdate((indices, offsets, weights, mode), bags, g, pending)
 
 
+def resolved(table: CachedEmbeddings, prep: CachedUpdate) -> ops.PreparedUpdate:
+    """A prepared update with its batch resolved to the table's slots (the lookup's slots when
+    the table just resolved these very arguments)."""
+    dbags = table.resolve(*prep.args, bags=prep.bags, reuse=True)
+    return ops.PreparedUpdate(dbags, prep.grad, prep.pending)
+
+
+def run(table: CachedEmbeddings, prep: ops.PreparedUpdate, optimizer: Any, plan: Any = None) -> None:
+    """Confirm a resolved update's checks and run it on the table's slots (by ``plan`` when given)."""
+    ops.apply_pullback(table.backend, table._W, table.device_state(optimizer), prep, optimizer, plan)
+    table.updated()
+
+
 def apply(table: CachedEmbeddings, prep: CachedUpdate, optimizer: Any) -> None:
     """Resolve a prepared update's batch (reusing the lookup's slots), confirm its checks and run it."""
-    be = table.backend
-    dbags = table.resolve(*prep.args, bags=prep.bags, reuse=True)
-    state = table.device_state(optimizer)
-    ops.apply_pullback(be, table._W, state, ops.PreparedUpdate(dbags, prep.grad, prep.pending), optimizer)
-    table.updated()
+    run(table, resolved(table, prep), optimizer)
 
 
 def pullback(table: CachedEmbeddings, grad: Any, indices: Any, offsets: Any, mode: str | None, weights: Any,

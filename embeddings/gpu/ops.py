@@ -271,23 +271,34 @@ def prepare_pullback(be, name: str, nvectors: int, F: int, grad: Any, indices: A
     return PreparedUpdate(bags, g, pending)
 
 
+def plans(be, idxs: list) -> list[Plan]:
+    """The update plan of each batch's flat indices (:class:`~.backend.Plan`): a stable argsort,
+    the sorted rows, and the long rows, whose counts are the plans' one synchronisation (one
+    for all the batches: a wait per table would idle the GPU while the host launches the next)."""
+    perms = [be.argsort(idx) for idx in idxs]
+    srows = [be.sorted_rows(idx, perm) for idx, perm in zip(idxs, perms)]
+    runs = be.long_rows(srows, reference.CHUNK)
+    return [Plan(perm, srow, *r) for perm, srow, r in zip(perms, srows, runs)]
+
+
 def plan(be, idx: Any) -> Plan:
-    """The update plan of a batch's flat indices (:class:`~.backend.Plan`): a stable argsort, the
-    sorted rows, and the long rows, whose count is the plan's one synchronisation."""
-    perm = be.argsort(idx)
-    srow = be.sorted_rows(idx, perm)
-    lstart, lend, lbase, NL, NC = be.long_rows(srow, int(idx.size), reference.CHUNK)
-    return Plan(perm, srow, lstart, lend, lbase, NL, NC)
+    """:func:`plans` of one batch."""
+    return plans(be, [idx])[0]
 
 
-def apply_pullback(be, W: Any, state: Any, prep: PreparedUpdate, optimizer: Any) -> None:
-    """Plan, confirm the checks, and run the fused update of a prepared batch on table ``W``
-    (row-wise Adagrad: ``state``)."""
+def needs_plan(prep: PreparedUpdate, F: int) -> bool:
+    """Whether a prepared update writes anything (an empty batch or table has no plan)."""
+    return bool(prep.bags.idx.size) and F > 0
+
+
+def apply_pullback(be, W: Any, state: Any, prep: PreparedUpdate, optimizer: Any, p: Plan | None = None) -> None:
+    """Plan (unless the plan ``p`` is given), confirm the checks, and run the fused update of a
+    prepared batch on table ``W`` (row-wise Adagrad: ``state``)."""
     bags = prep.bags
-    if bags.idx.size == 0 or W.shape[1] == 0:
+    if not needs_plan(prep, W.shape[1]):
         confirm(be, [prep.pending])
         return
-    p = plan(be, bags.idx)
+    p = plan(be, bags.idx) if p is None else p
     confirm(be, [prep.pending])  # the plan synchronised: the flags are final
     be.update(W, state, prep.grad, p, bags.off, bags.nout, max(bags.k, 1), bags.w, bags.mean,
               optimizer.code, float(optimizer.lr), float(optimizer.eps))

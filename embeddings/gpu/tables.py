@@ -81,16 +81,17 @@ def prepare(table: Any, grad: Any, indices: Any, offsets: Any, mode: str | None,
                                 offsets, mode=mode, weights=weights, optimizer=optimizer, flags=flags, slot=slot)
 
 
-def apply(table: Any, prep: ops.PreparedUpdate, optimizer: Any) -> Any:
-    """Run a prepared update in place (``NotImplemented``: the rows are on the host now)."""
+def apply(table: Any, prep: ops.PreparedUpdate, optimizer: Any, plan: Any = None) -> Any:
+    """Run a prepared update in place, by ``plan`` when given (``NotImplemented``: the rows are
+    on the host now)."""
     be = cuda_backend()
     if type(table.data) is be.xp.ndarray:  # nothing to pin
-        ops.apply_pullback(be, table.data, state_for(optimizer, table), prep, optimizer)
+        ops.apply_pullback(be, table.data, state_for(optimizer, table), prep, optimizer, plan)
         return None
     with device_rows(table.data, write=True) as W:
         if W is None:
             return NotImplemented
-        ops.apply_pullback(cuda_backend(), W, state_for(optimizer, table), prep, optimizer)
+        ops.apply_pullback(be, W, state_for(optimizer, table), prep, optimizer, plan)
     return None
 
 
@@ -195,11 +196,18 @@ def ensemble_pullback(tables: list, grad: Any, indices, offsets, mode, weights, 
               else prepare(t, g3[:, n, :], i, o, mode, w, optimizer, flags, 3 * n))
              for n, (t, i, o, w) in enumerate(zip(tables, indices, offsets, weights))]
     ops.confirm(be, [p.pending for p in preps])
-    for t, p in zip(tables, preps):
-        p = replace(p, pending=None)  # confirmed
+    preps = [replace(p, pending=None) for p in preps]  # confirmed
+    # Every table planned with one wait for all. A cached table resolves its batch first (its
+    # lookup's resolution); one given twice resolves and plans each batch just before its update,
+    # since resolving the second may move the first's rows.
+    once = [not _cached(t) or sum(u is t for u in tables) == 1 for t in tables]
+    preps = [cached.resolved(t, p) if _cached(t) and o else p for t, p, o in zip(tables, preps, once)]
+    ready = [n for n, (p, o) in enumerate(zip(preps, once)) if o and ops.needs_plan(p, F)]
+    plans = dict(zip(ready, ops.plans(be, [preps[n].bags.idx for n in ready])))
+    for n, (t, p, o) in enumerate(zip(tables, preps, once)):
         if _cached(t):
-            cached.apply(t, p, optimizer)
-        elif apply(t, p, optimizer) is NotImplemented:
+            cached.run(t, p if o else cached.resolved(t, p), optimizer, plans.get(n))
+        elif apply(t, p, optimizer, plans.get(n)) is NotImplemented:
             raise RuntimeError(f"{t.name}: moved off the GPU during an ensemble update")
 
 
