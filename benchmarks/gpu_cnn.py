@@ -51,7 +51,7 @@ except ImportError:  # run as a script
 
 MiB, GiB = 1 << 20, 1 << 30
 MODELS = {"resnet": dict(family="resnet", depth=50, width=32, image=112),
-          "densenet": dict(family="densenet", depth=40, width=32, image=64)}
+          "densenet": dict(family="densenet", depth=41, width=32, image=64)}
 QUICK_MODELS = {"resnet": dict(family="resnet", depth=14, width=8, image=32),
                 "densenet": dict(family="densenet", depth=13, width=8, image=32)}
 OUR_MODES = ("caLMP", "cap", "2lm")

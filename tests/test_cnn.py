@@ -354,3 +354,17 @@ def test_recompute_keeps_less_and_moves_less_for_the_same_losses():
     plain, recomputed = run_mode(cfg, "caLM", budget, 2, fp), run_mode(rc, "caLM", budget, 2, fr)
     np.testing.assert_allclose([r.loss for r in recomputed.records], [r.loss for r in plain.records], rtol=1e-6)
     assert recomputed.records[-1].dram_to_pm_bytes < 0.8 * plain.records[-1].dram_to_pm_bytes
+
+
+@pytest.mark.parametrize("table", ["MODELS", "QUICK_MODELS"])
+def test_every_model_the_gpu_benchmark_names_builds(table):
+    """``benchmarks/gpu_cnn.py`` runs on a GPU only: its model specs are checked here, on any
+    machine (a DenseNet depth the builder refuses once kept the DenseNet rows from ever running)."""
+    from benchmarks import gpu_cnn
+    from cachedarrays import DRAM, PM, LRUPolicy, Manager
+    from cnn.models import build
+    for name, spec in getattr(gpu_cnn, table).items():
+        with Manager(DRAM(256 << 20), PM(None, 64 << 20), policy=LRUPolicy()) as m:
+            model = build(spec["family"], m, depth=spec["depth"], width=spec["width"], image=spec["image"],
+                          classes=10)
+            assert model.info["family"] == spec["family"] == name and model.param_bytes > 0
