@@ -65,13 +65,15 @@ def fresh(seed: int, **kw) -> tuple[np.ndarray, object, LRUCachedEmbeddings]:
     return W0, m, make(W0, m, **kw)
 
 
-@pytest.mark.parametrize("ways,rows,staging", [(1, 40, 1), (4, 40, 2), (16, 64, 4096), (4, 400, 8)])
+@pytest.mark.parametrize("ways,rows,staging,reads", [(1, 40, 1, "mapped"), (4, 40, 2, "staged"),
+                                                     (16, 64, 4096, "mapped"), (4, 400, 8, "mapped"),
+                                                     (4, 400, 8, "staged")])
 @pytest.mark.parametrize("opt", ["sgd", "adagrad"])
-def test_lookups_and_updates_equal_the_uncached_table_bit_for_bit(ways, rows, staging, opt):
+def test_lookups_and_updates_equal_the_uncached_table_bit_for_bit(ways, rows, staging, reads, opt):
     rng = np.random.default_rng(ways * 7 + rows)
     W0 = rng.standard_normal((N, F)).astype(np.float32)
     m = host_manager()
-    t = make(W0, m, cache_rows=rows, ways=ways, staging_rows=staging)
+    t = make(W0, m, cache_rows=rows, ways=ways, staging_rows=staging, reads=reads)
     ref = Reference(W0)
     mk = (lambda: E.SGD(0.1)) if opt == "sgd" else (lambda: E.RowwiseAdagrad(0.1))
     ours, theirs = mk(), mk()
@@ -91,6 +93,46 @@ def test_lookups_and_updates_equal_the_uncached_table_bit_for_bit(ways, rows, st
     assert np.array_equal(base_rows(t), ref.W)
     if opt == "adagrad":
         assert np.array_equal(ours.state(t), ref.state)
+    t.close()
+    m.check()
+
+
+def test_staged_reads_gather_the_rows_on_the_host_and_a_bad_choice_is_refused(monkeypatch):
+    """``reads="staged"``: the rows a placement brings in are gathered by CPU threads into one
+    block (and put into their slots from it), not read through their mapped addresses; the
+    choice may change between steps, and anything but the two choices is refused with the
+    table's name, before anything is allocated or, later, changed."""
+    rng = np.random.default_rng(18)
+    W0 = rng.standard_normal((N, F)).astype(np.float32)
+    m = host_manager()
+    with pytest.raises(ValueError, match=r"t: reads must be one of \('mapped', 'staged'\), got 'dma'"):
+        make(W0, m, cache_rows=40, ways=4, reads="dma", name="t")
+    m.check()
+    gathered, reads = [], []
+    gather, move = LG.gather_rows, LG.move
+    monkeypatch.setattr(LG, "gather_rows", lambda jobs: gathered.append(sum(r.size for _, r, _ in jobs)) or gather(jobs))
+    monkeypatch.setattr(LG, "move", lambda g, *a, down, rows=True: reads.append((down, rows)) or move(g, *a, down=down,
+                                                                                                   rows=rows))
+    t, ref = make(W0, m, cache_rows=40, ways=4, reads="staged", name="t"), Reference(W0)
+    for step in range(6):
+        idx = zipf_batch(rng, 16, 5)
+        gathered.clear(), reads.clear()
+        assert np.array_equal(_host(E.lookup(t, idx)), ref.lookup(idx))
+        assert gathered and gathered[0] == t.counts[2] - (ref_admitted if step else 0)
+        assert (False, True) not in reads  # no row read through its mapped address
+        ref_admitted = int(t.counts[2])
+        g = rng.standard_normal((16, F)).astype(np.float32)
+        E.pullback(t, g, idx, optimizer=E.SGD(0.1))
+        ref.pullback(g, idx, optimizer=E.SGD(0.1))
+        t.check()
+        assert np.array_equal(contents(t), ref.W)
+    t.reads = "mapped"
+    gathered.clear(), reads.clear()
+    E.lookup(t, (zipf_batch(rng, 16, 5) + 200) % N)
+    assert gathered == [] and (False, True) in reads
+    with pytest.raises(ValueError, match="t: reads must be one of"):
+        t.reads = "staging"
+    assert t.reads == "mapped"
     t.close()
     m.check()
 
@@ -368,12 +410,14 @@ class LRUMachine(MirroredCache):
 
     contents = staticmethod(contents)
 
-    @initialize(rows=st.integers(1, 60), ways=st.integers(1, 8), staging=st.integers(1, 6), adagrad=st.booleans())
-    def setup(self, rows, ways, staging, adagrad):
+    @initialize(rows=st.integers(1, 60), ways=st.integers(1, 8), staging=st.integers(1, 6), adagrad=st.booleans(),
+                reads=st.sampled_from(["mapped", "staged"]))
+    def setup(self, rows, ways, staging, adagrad, reads):
         self.rng = np.random.default_rng(rows * 31 + ways)
         W0 = self.rng.standard_normal((120, 4)).astype(np.float32)
         self.start(rows, W0, adagrad)
-        self.t = LRUCachedEmbeddings(W0.copy(), self.m, cache_rows=rows, ways=ways, staging_rows=staging)
+        self.t = LRUCachedEmbeddings(W0.copy(), self.m, cache_rows=rows, ways=ways, staging_rows=staging,
+                                     reads=reads)
         self.planned: list[np.ndarray] = []
 
     @rule(n=st.integers(0, 12), k=st.integers(1, 2))
@@ -417,12 +461,13 @@ TestLRUMachine.settings = settings(max_examples=40, stateful_step_count=25, dead
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
-@pytest.mark.parametrize("opt", ["sgd", "adagrad"])
-def test_gpu_lru_table_equals_the_uncached_gpu_table_bit_for_bit(opt):
+@pytest.mark.parametrize("opt,reads", [("sgd", "mapped"), ("adagrad", "mapped"), ("sgd", "staged"),
+                                       ("adagrad", "staged")])
+def test_gpu_lru_table_equals_the_uncached_gpu_table_bit_for_bit(opt, reads):
     rng = np.random.default_rng(12)
     W0 = rng.standard_normal((20000, 64)).astype(np.float32)
     with gpu_manager() as m:
-        t = LRUCachedEmbeddings(W0, m, cache_fraction=0.05, staging_rows=64, name="emb")
+        t = LRUCachedEmbeddings(W0, m, cache_fraction=0.05, staging_rows=64, reads=reads, name="emb")
         train_and_compare(m, t, contents, W0, rng, opt, 0.5)
 
 
@@ -456,14 +501,14 @@ def test_on_the_gpu_a_replaced_accumulator_is_no_longer_page_locked_and_host_cop
 SPECS = [(3000, 600, 4), (5000, 512, 8), (800, 200, 4)]  # rows, cache rows, ways
 
 
-def trace_tables(m, together: bool, seed: int = 15) -> tuple[list, int]:
-    """Three lru tables trained for 9 steps with Adagrad (lookup, prefetch of the next batch,
-    update), prefetched ``together`` (one table-batched placement) or one table at a time: the
-    state of every table after every step (tags, stamps, dirty bits, counts, contents, the
+def trace_tables(m, together: bool, seed: int = 15, reads: str = "mapped") -> tuple[list, int]:
+    """Three lru tables (``reads``) trained for 9 steps with Adagrad (lookup, prefetch of the next
+    batch, update), prefetched ``together`` (one table-batched placement) or one table at a time:
+    the state of every table after every step (tags, stamps, dirty bits, counts, contents, the
     accumulator), and for each prefetch how many functions did it and whether each placed every row."""
     rng = np.random.default_rng(seed)
     ts = [LRUCachedEmbeddings(rng.standard_normal((r, 16)).astype(np.float32), m, cache_rows=c, ways=w,
-                              staging_rows=2, name=f"t{i}") for i, (r, c, w) in enumerate(SPECS)]
+                              staging_rows=2, reads=reads, name=f"t{i}") for i, (r, c, w) in enumerate(SPECS)]
     batches = [[zipf_batch(rng, 64, 4, r) for r, _, _ in SPECS] for _ in range(10)]
     opt = E.RowwiseAdagrad(0.1)
     states, runs = [], []
@@ -497,6 +542,8 @@ def test_a_table_batched_prefetch_makes_each_tables_own_decisions():
     # all three placed at once (a row left out), and other placements where every row found a way
     assert (1, [False]) in runs and any(True in r for _, r in runs)
     assert_same_traces(together, alone)
+    staged, _ = trace_tables(host_manager(), True, reads="staged")
+    assert_same_traces(staged, alone)
 
 
 @pytest.mark.gpu
@@ -506,9 +553,11 @@ def test_the_table_batched_cuda_kernels_make_the_numpy_forms_decisions():
     slots on the GPU against their numpy forms: same state after every step."""
     with gpu_manager() as gm:
         on_gpu, runs = trace_tables(gm, True)
+        staged, _ = trace_tables(gm, True, reads="staged")
     on_cpu, runs_cpu = trace_tables(host_manager(), True)
     assert runs == runs_cpu and (1, [False]) in runs
     assert_same_traces(on_gpu, on_cpu)
+    assert_same_traces(staged, on_cpu)  # the rows gathered on the host and put into their slots
 
 
 @pytest.mark.gpu

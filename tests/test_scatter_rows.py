@@ -1,10 +1,11 @@
-"""``scatter_rows``: the CPU side of the lru cache's write-back (rows into host tables)."""
+"""``scatter_rows`` / ``gather_rows``: the CPU side of the lru cache's write-back (rows into host
+tables) and of its staged reads (rows out of them into one block)."""
 
 import numpy as np
 import pytest
 
 from embeddings.kernels import scatter
-from embeddings.kernels.scatter import scatter_rows
+from embeddings.kernels.scatter import gather_rows, scatter_rows
 
 
 @pytest.mark.parametrize("n", [0, 1, 5000, 3 * scatter.PIECE + 17])
@@ -62,6 +63,36 @@ def test_bad_input_is_refused_before_anything_is_written():
     with pytest.raises(ValueError, match="scatter of"):
         scatter_rows([ok, (dst, np.array([1, 2]), np.ones((2, 3), np.float32))])
     assert not dst.any()
+
+
+@pytest.mark.parametrize("F,dtype,offset,kernel", [(64, np.float32, 0, "streamed"), (64, np.float32, 4, "vector"),
+                                                    (5, np.float32, 0, "numba"), (64, np.float64, 0, "numba")])
+def test_a_gather_reads_exactly_the_rows_it_is_given_into_its_block(F, dtype, offset, kernel, monkeypatch):
+    """Every table's rows land in its part of the block, in order, through the kernel meant for
+    the case (streamed where the block's rows start cache lines), split into pieces."""
+    from embeddings.aligned import aligned_empty
+    monkeypatch.setattr(scatter, "THREADS", 4)
+    used = []
+    simd, plain = scatter._gather_simd, scatter._gather
+    monkeypatch.setattr(scatter, "_gather_simd", lambda spec, b, r, t, stream: used.append(
+        "streamed" if stream else "vector") or simd(spec, b, r, t, stream))
+    monkeypatch.setattr(scatter, "_gather", lambda b, r, t: used.append("numba") or plain(b, r, t))
+    rng = np.random.default_rng(F + offset)
+    tables = [rng.standard_normal((30_000, F)).astype(dtype) for _ in range(2)]
+    rows = [rng.integers(0, 30_000, n) for n in (3 * scatter.PIECE + 5, 7)]
+    k = offset // np.dtype(dtype).itemsize
+    raw = aligned_empty(sum(r.size for r in rows) * F + k, dtype)
+    block = raw[k:].reshape(-1, F)
+    cut = rows[0].size
+    gather_rows([(tables[0], rows[0], block[:cut]), (tables[1], rows[1], block[cut:])])
+    assert np.array_equal(block, np.concatenate([tables[0][rows[0]], tables[1][rows[1]]]))
+    assert used and set(used) == {kernel}
+    out = np.zeros((2, F), dtype)
+    with pytest.raises(IndexError, match="gather rows outside 0..29999"):
+        gather_rows([(tables[0], np.array([0, 1]), out), (tables[1], np.array([5, 30_000]), out)])
+    with pytest.raises(ValueError, match="gather of"):
+        gather_rows([(tables[0], np.array([0, 1, 2]), out)])
+    assert not out.any()
 
 
 def test_a_later_scatter_waits_for_its_rows_and_scatters_run_in_the_order_started():

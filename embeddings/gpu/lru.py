@@ -64,6 +64,7 @@ from .hbm import DeviceArrays
 
 WAYS = 16
 SLOT_BYTES = 8 + 4 + 1  # per slot beside its row: tag (int64), stamp (int32), dirty bit (bool)
+READS = ("mapped", "staged")  # how a placement's rows come in (:func:`.lru_group.read`)
 
 
 class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
@@ -71,7 +72,10 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
     (HBM on a GPU manager) in ``ways``-way sets, least recently used way evicted first. ``base``,
     ``manager``, ``cache_rows`` / ``cache_fraction`` as for :class:`embeddings.CachedEmbeddings`
     (the cache holds ``cache_rows`` rounded up to whole sets). Tables are float32.
-    ``staging_rows``: the staging area's initial size (it grows on demand)."""
+    ``staging_rows``: the staging area's initial size (it grows on demand). ``reads``: how the
+    rows a placement brings in come up, ``"mapped"`` (the GPU reads them through their mapped
+    host addresses) or ``"staged"`` (CPU threads gather them into one block that goes up in one
+    copy; :func:`.lru_group.read`); it may be changed between steps."""
 
     policy = "lru"
     _inflight: threading.Event | None = None  # set when a background prefetch has finished
@@ -79,8 +83,9 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
 
     def __init__(self, base: Any, manager: Manager | None = None, *, cache_rows: int | None = None,
                  cache_fraction: float = 0.1, ways: int = WAYS, staging_rows: int = STAGING_ROWS,
-                 name: str = "table") -> None:
+                 reads: str = "mapped", name: str = "table") -> None:
         self.name = name
+        self.reads = reads  # checked before anything is allocated
         self.base_array, self.manager, pin = C.open_base(base, manager, name)
         self._pins = [pin]
         self._hbm = DeviceArrays(self.manager, name)
@@ -128,6 +133,16 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         self.prefetch_fallbacks = 0  # prefetched batches whose lookup had to place them itself
         self._fallbacks_in_a_row = 0
         self._hstate_dev = None  # the optimizer's host accumulator as the device sees it
+
+    @property
+    def reads(self) -> str:
+        return self._reads
+
+    @reads.setter
+    def reads(self, value: str) -> None:
+        if value not in READS:
+            raise ValueError(f"{self.name}: reads must be one of {READS}, got {value!r}")
+        self._reads = value
 
     def _map_state(self, host: np.ndarray) -> Any:
         """The optimizer's host accumulator as the device reads and writes it in place,
@@ -209,7 +224,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
                 todo.append((t, flat))
         kinds: dict = {}
         for t, flat in todo:
-            kinds.setdefault((t.backend.xp, t._W.shape[1], t._dstate is None), []).append((t, flat))
+            kinds.setdefault((t.backend.xp, t._W.shape[1], t._dstate is None, t.reads), []).append((t, flat))
         for group in kinds.values():
             works.append(_place_work([t for t, _ in group], [f for _, f in group]))
         return works

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..kernels.scatter import scatter_later
+from ..kernels.scatter import gather_rows, scatter_later
 from . import cuda
 from . import lru_kernels as LK
 
@@ -136,6 +136,15 @@ extern "C" __global__ void NAME(const i64* slot, const i64* tab, i64 n, int FT, 
 TB_GATHER(tb_gather_v4, float4)
 TB_GATHER(tb_gather_v1, float)
 
+/* slot slot[j] of table tab[j] = in[j], for the n rows coming in (one contiguous block) */
+#define TB_PUT(NAME, T_) \
+extern "C" __global__ void NAME(const i64* slot, const i64* tab, i64 n, int FT, const i64* tabs, const T_* in) { \
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n * FT; i += (i64)gridDim.x * blockDim.x) { \
+        i64 j = i / FT, c = i - j * FT; \
+        ((T_*)tabs[tab[j] * NF + P_W])[slot[j] * FT + c] = in[i]; } }
+TB_PUT(tb_put_v4, float4)
+TB_PUT(tb_put_v1, float)
+
 extern "C" __global__ void tb_settle(const i64* row, const i64* victim, const i64* tid, i64 n, const i64* tabs) {
     for (i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += (i64)gridDim.x * blockDim.x) {
         i64 v = victim[j];
@@ -175,6 +184,7 @@ class Group:
         self.Rmax = max(t.nvectors() for t in tables)
         self.none = int(self.sbase[-1]) * self.Rmax
         self.host = isinstance(tables[0]._tags, np.ndarray)
+        self.staged = tables[0].reads == "staged"
         self.dev = self.doff = self.dsbase = None
         if not self.host:
             import cupy as cp
@@ -305,6 +315,51 @@ def write_back(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
         tb._home = home
 
 
+def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
+    """Bring in the first ``count`` rows, ``j``: host row ``hrow[j]`` of table ``tab[j]`` into its
+    slot ``slot[j]`` (grouped by table, host-address order within each). Mapped reads (the
+    default): the GPU reads each row through its mapped host address. Staged reads
+    (``reads="staged"``): CPU threads gather the rows into one page-locked block
+    (:func:`~embeddings.kernels.scatter.gather_rows`), which goes up in one copy and is put into
+    the slots on the device: no SM waits on PCIe (mapped reads stall the blocks that issue
+    them, and slowed the current batch's update kernels beside them 2-3x on the H100), at the
+    price of host threads and one wait for the number of rows. Adagrad's accumulators (4 bytes
+    a row) are read through their mapped addresses either way."""
+    if not g.staged:
+        move(g, slot, tab, hrow, count, down=False)
+        return
+    move(g, slot, tab, hrow, count, down=False, rows=False)
+    n = int(count[0])
+    if n == 0:
+        return
+    be = g.tables[0].backend
+    F = g.tables[0]._W.shape[1]
+    tabs, rows, block = be.pinned((n,), np.int64), be.pinned((n,), np.int64), be.pinned((n, F), np.float32)
+    be.download(tabs, tab[:n])
+    be.download(rows, hrow[:n])
+    be.wait(be.fence())
+    cut = np.searchsorted(tabs, np.arange(g.T + 1))
+    gather_rows([(tb._base, rows[cut[t]:cut[t + 1]], block[cut[t]:cut[t + 1]])
+                 for t, tb in enumerate(g.tables) if cut[t + 1] > cut[t]])
+    up = be.xp.empty((n, F), np.float32)
+    be.upload(up, block)
+    put(g, slot[:n], tab[:n], up)
+    be.wait(be.fence())  # the block is read before its page-locked memory can go back to the pool
+
+
+def put(g: Group, slot: Any, tab: Any, block: Any) -> None:
+    """Rows ``block[j]`` into slot ``slot[j]`` of table ``tab[j]`` (the inverse of :func:`gather`)."""
+    n = int(slot.size)
+    if g.host:
+        for t, tb in enumerate(g.tables):
+            at = np.flatnonzero(tab == t)
+            tb._W[slot[at]] = block[at]
+        return
+    F = g.tables[0]._W.shape[1]
+    vt, FT = LK.vector_kind(F, block, *(tb._W for tb in g.tables))
+    _launch(f"tb_put_{vt}", n * FT, (slot, tab, np.int64(n), np.int32(FT), g.dev, block))
+
+
 def drain(tables: list) -> None:
     """Wait until the rows the tables' last placement sent home are in their host tables (and
     raise what went wrong on the way)."""
@@ -395,7 +450,7 @@ def place(g: Group, idx: Any, xp: Any, counted: bool = True) -> Placement:
     old, wkey, rkey, cnt = moves(g, victim, tid, row)
     out, into = xp.argsort(wkey), xp.argsort(rkey)
     write_back(g, victim[out], tid[out], old[out], cnt[0:1])
-    move(g, victim[into], tid[into], row[into], cnt[1:2], down=False)
+    read(g, victim[into], tid[into], row[into], cnt[1:2])
     settle(g, row, victim, tid)
     return Placement(slot, sk, order, first, row, victim)
 
