@@ -13,7 +13,11 @@ same index stream:
   set-associative ``LRUCachedEmbeddings``, whose tags live in HBM so that the GPU finds hits and
   moves misses itself; ``dynamic`` / ``static``: the ``CachedEmbeddings`` with host bookkeeping
   (caching on access, or the most frequent rows known from the index generator). The next
-  batch is prefetched while the current batch's dense work runs, as ``dlrm.train`` does;
+  batch is prefetched while the current batch's dense work runs, as ``dlrm.train`` does. Under
+  ``lru`` the model runs as two contenders, switched between rounds on the same tables and
+  index stream: missed rows read by the GPU through their mapped host addresses ("ours") and
+  gathered by CPU threads then copied up at once ("ours, staged reads"; ``--lru-reads``); the
+  targets take the faster;
 * in HBM: the same model with tables small enough to sit in HBM (``rows / --shrink`` rows each),
   the same Zipf ranks scaled down to them;
 * PyTorch without FBGEMM: ``nn.EmbeddingBag(sparse=True)`` over the same host tables on the CPU,
@@ -269,7 +273,8 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
           f"in-HBM model: {T} x {small} rows", flush=True)
     t0 = time.perf_counter()
     # a cache must not see a batch twice: the timed steps follow the warm-up on fresh batches
-    nsteps = max(args.steps, args.warm_steps + args.rounds * args.per_round + 2)
+    variants = 2 if args.policy == "lru" else 1  # lru: mapped and staged reads, on one model
+    nsteps = max(args.steps, args.warm_steps + variants * args.rounds * args.per_round + 2)
     big_b, small_b = make_batches(nsteps, T, n, small, B, k, seed=1)
     print(f"  index stream: {nsteps} batches in {time.perf_counter() - t0:.1f} s (ours never sees one twice)",
           flush=True)
@@ -298,7 +303,27 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
         reset_counters(t)
     m.reset_telemetry()
     ours.timer.reset()
-    contenders["ours"] = (ours_trainer(ours, big_b, args.warm_steps), args.per_round, B)
+    # each variant of ours (lru: how missed rows come up) takes the next batch of one stream, so
+    # the cache never sees a batch twice, and keeps its own phase timer
+    at = {"next": args.warm_steps}
+    timers = {}
+
+    def variant(reads: str):
+        timers[reads] = type(ours.timer)()
+
+        def step(_j):
+            for t in tables:
+                if hasattr(t, "reads"):
+                    t.reads = reads
+            ours.timer = timers[reads]
+            j, at["next"] = at["next"], at["next"] + 1
+            counted["ours"] += 1
+            return ours.train_step(big_b[j % nsteps], big_b[(j + 1) % nsteps])
+        return step
+    counted = {"ours": 0}
+    contenders["ours"] = (variant("mapped"), args.per_round, B)
+    if variants == 2:
+        contenders["ours, staged reads"] = (variant("staged"), args.per_round, B)
     print(f"  ours ready in {time.perf_counter() - t1:.1f} s ({args.warm_steps} warm-up steps)", flush=True)
 
     # PyTorch without FBGEMM, over the same host tables
@@ -308,13 +333,6 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
     th.step(tbs[0])
     contenders["torch CPU tables"] = (lambda j: th.step(tbs[j % len(tbs)]), args.torch_per_round, B)
 
-    counted = {"ours": 0}
-    step = contenders["ours"][0]
-
-    def counting(j, step=step):
-        counted["ours"] += 1
-        return step(j)
-    contenders["ours"] = (counting, args.per_round, B)
     sps = rounds(contenders, args.rounds)
     res["samples_per_s"] = sps
     steps = counted["ours"]
@@ -332,10 +350,13 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
     step_s = B / sps["ours"]
     res["host_traffic_GBps"] = max(per_batch, res["miss_MB_per_batch"] * 1e6) / step_s / 1e9
     res["host_traffic_fraction_of_h2d"] = res["host_traffic_GBps"] / bw_h2d
-    res["ours_over_hbm"] = sps["ours"] / sps["in HBM"]
-    res["ours_over_torch_cpu"] = sps["ours"] / sps["torch CPU tables"]
-    phases = ours.timer.table()
-    res["ours_phases_ms_per_step"] = {p_: 1e3 * v / steps for p_, v in phases.items() if v}
+    best = max((c for c in contenders if c.startswith("ours")), key=lambda c: sps[c])
+    res["best_ours"] = best
+    res["ours_over_hbm"] = sps[best] / sps["in HBM"]
+    res["ours_over_torch_cpu"] = sps[best] / sps["torch CPU tables"]
+    res["ours_phases_ms_per_step"] = {  # a step has one lookup phase
+        reads: {p_: 1e3 * v / max(1, tm.counts.get("lookup", 0)) for p_, v in tm.table().items() if v}
+        for reads, tm in timers.items()}
     rows = []
     for name in contenders:
         r = [name, sps[name], 1e3 * B / sps[name]]
@@ -354,11 +375,13 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
         print(f"  prefetched batches that did not fit the cache (placed again by their lookup): "
               f"{res['prefetch_fallbacks']} of {steps * T} (table batches)")
     targets[f"part 1: hit rate >= 80% ({100 * res['hit_rate']:.1f}%)"] = res["hit_rate"] >= 0.8
-    targets[f"part 1: >= 0.8x the in-HBM samples/s ({res['ours_over_hbm']:.2f}x)"] = res["ours_over_hbm"] >= 0.8
-    targets[f"part 1: >= 3x PyTorch with CPU tables ({res['ours_over_torch_cpu']:.2f}x)"] = \
+    targets[f"part 1: >= 0.8x the in-HBM samples/s ({best}: {res['ours_over_hbm']:.2f}x)"] = \
+        res["ours_over_hbm"] >= 0.8
+    targets[f"part 1: >= 3x PyTorch with CPU tables ({best}: {res['ours_over_torch_cpu']:.2f}x)"] = \
         res["ours_over_torch_cpu"] >= 3
-    print("  ours, wall time per step by phase: "
-          + ", ".join(f"{p_} {v:.1f} ms" for p_, v in res["ours_phases_ms_per_step"].items()))
+    for reads, phases in res["ours_phases_ms_per_step"].items():
+        print(f"  ours ({reads} reads), wall time per step by phase: "
+              + ", ".join(f"{p_} {v:.1f} ms" for p_, v in phases.items()))
     del th, tbs, contenders, hbm, ours, tables
     for v in views:
         v.release()

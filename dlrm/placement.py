@@ -76,7 +76,7 @@ def cache_rows(nrows: int, cache_fraction: float) -> int:
 def make_tables(sizes: Sequence[int], featuresize: int, policy: str, manager: Manager,
                 cache_fraction: float = 0.1, seed: int = 0, names: Sequence[str] | None = None,
                 init: bool = True, hot: Sequence[np.ndarray] | None = None,
-                arrays: Sequence[CachedArray] | None = None) -> list[EmbeddingTable]:
+                arrays: Sequence[CachedArray] | None = None, lru_reads: str = "mapped") -> list[EmbeddingTable]:
     """Create (and initialise) one embedding table per entry of ``sizes`` under ``policy``.
 
     ``manager`` must have the fast device (DRAM) and the slow device (PM) and a policy whose
@@ -84,6 +84,7 @@ def make_tables(sizes: Sequence[int], featuresize: int, policy: str, manager: Ma
     table, the rows a ``static`` cache holds (see :func:`hot_rows`); random rows when None.
     ``arrays``: existing float32 ``(rows, featuresize)`` arrays to build the tables over instead of
     new ones (e.g. the named objects of a persistent pool); ``dram`` moves them into DRAM.
+    ``lru_reads``: how an ``lru`` cache's missed rows come up (``LRUCachedEmbeddings(reads=)``).
     """
     if policy not in POLICIES + GPU_POLICIES:
         raise ValueError(f"policy must be one of {POLICIES + GPU_POLICIES}, got {policy!r}")
@@ -125,7 +126,7 @@ def make_tables(sizes: Sequence[int], featuresize: int, policy: str, manager: Ma
             rows = cache_rows(n, cache_fraction) if policy != "simple" else 0
             hot_t = hot[t] if hot is not None and policy == "static" else None
             if policy == "lru":
-                tables.append(cache_class(x, manager, cache_rows=rows, name=name))
+                tables.append(cache_class(x, manager, cache_rows=rows, reads=lru_reads, name=name))
                 continue
             extra = {"manager": manager} if on_gpu else {}
             tables.append(cache_class(x, policy=policy, cache_rows=rows, hot=hot_t, name=name, **extra))

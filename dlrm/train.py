@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dram: tables in DRAM; simple: tables in PM; static/dynamic: CachedEmbeddings; "
                         "lru (--device gpu): a set-associative cache in HBM run by the GPU itself")
     m.add_argument("--cache-fraction", type=float, default=0.1, help="static/dynamic/lru: cached rows per table")
+    m.add_argument("--lru-reads", choices=("mapped", "staged"), default="mapped",
+                   help="lru: how missed rows come up: mapped (the GPU reads them from host memory) or staged "
+                        "(CPU threads gather them into one block copied up at once)")
     m.add_argument("--static-sample-batches", type=int, default=16,
                    help="static: fill the cache with the rows most used in this many training batches "
                         "(0: random rows)")
@@ -281,7 +284,7 @@ def run(args) -> dict:
                            [cache_rows(r, args.cache_fraction) for r in sizes])
         arrays, meta = checkpoint.pool_tables(manager, sizes, F) if args.resume_from_pool else (None, None)
         tables = make_tables(sizes, F, args.policy, manager, args.cache_fraction, args.seed, hot=hot,
-                             arrays=arrays, init=meta is None)
+                             arrays=arrays, init=meta is None, lru_reads=args.lru_reads)
         del arrays
         model = DLRM(cfg, tables, optimizer=args.optimizer, lr=args.learning_rate, seed=args.seed,
                      precision=args.dense_precision, device=args.device)
