@@ -154,9 +154,16 @@ def noescape(manager: Manager, f: Callable, *args: Any, **kwargs: Any) -> Any:
     its result or its arguments (temporaries that would otherwise wait for the garbage collector)."""
     first = manager.next_id
     result = f(*args, **kwargs)
-    escaped = preserve((result, args, kwargs))
-    for id_ in range(first, manager.next_id):  # only objects born during the call (Listing 4.8)
-        obj = manager.getobject(id_)
-        if obj is not None and id_ not in escaped and not manager.pinned(obj):
+    born = {id_: obj for id_ in range(first, manager.next_id)  # only objects born during the call (Listing 4.8)
+            if (obj := manager.getobject(id_)) is not None}
+    if born:
+        # the walk stops once every newborn is found reachable: the result comes first, where a
+        # layer's outputs are, so its inputs and the rest of the arguments are seldom walked
+        for x in cached_arrays((result, args, kwargs)):
+            born.pop(x.object.id, None)
+            if not born:
+                break
+    for obj in born.values():
+        if not manager.pinned(obj):
             manager.policy.unsafe_free(obj)
     return result

@@ -93,6 +93,23 @@ def test_noescape_frees_only_temporaries(m):
     assert len(m.objects()) == before + 1
 
 
+def test_noescape_keeps_newborns_reachable_only_through_the_arguments_or_deep_in_the_result(m):
+    """The walk for reachable newborns may stop early only once every one is found: one stored
+    into an argument, one deep in the result after an older array, and a temporary."""
+    a = CachedArray(np.arange(10.0), m)
+    box: dict = {}
+    hidden = {}
+
+    def f(x, out):
+        out["made"] = x + 1  # reachable through the arguments only
+        hidden["t"] = x * 3
+        return (x, [{"deep": x * 2}])
+
+    res = noescape(m, f, a, box)
+    assert box["made"].object.alive and res[1][0]["deep"].object.alive and a.object.alive
+    assert not hidden["t"].object.alive
+
+
 def test_module_hints_accept_pytrees(m):
     xs = {"a": CachedArray(np.ones(1000), m), "b": [CachedArray(np.ones(1000), m)]}
     ca.evict(xs)
