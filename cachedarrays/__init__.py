@@ -19,7 +19,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
-from .annotations import cleanup, evict, noescape, onobjects, prefetch, preserve, softevict, unsafe_free
+from .annotations import Preserved, cleanup, evict, noescape, onobjects, prefetch, preserve, softevict, unsafe_free
 from .array import (CachedArray, Status, assign, device_pointer, jax_array, readable, release, release_together,
                     similar, writable)
 from .devices import DRAM, GPU, PM, Bandwidth, Device, Heap
@@ -34,7 +34,7 @@ from .units import format_size, parse_size
 __all__ = [
     "Bandwidth", "CachedArray", "CachedArraysError", "CopyError", "CorrelationPrefetchPolicy", "DRAM", "Device",
     "DeviceUnavailableError", "GPU", "Heap", "InvariantError", "LRUPolicy", "Manager", "Object", "ObjectNotFoundError",
-    "OutOfMemoryError", "PM", "PMCorruptError", "PMFormatError", "PersistentObjectError", "PinnedError", "Policy",
+    "OutOfMemoryError", "PM", "PMCorruptError", "PMFormatError", "PersistentObjectError", "PinnedError", "Policy", "Preserved",
     "Pool", "PoolLockedError", "PoolMismatchError", "Region", "Status", "StatusError", "TwoLevelCachePolicy",
     "UseAfterFreeError", "assign", "cleanup", "device_pointer", "evict", "format_size", "jax_array", "noescape", "onobjects", "parse_size",
     "persistent", "prefetch", "preserve", "readable", "release", "release_together", "similar", "softevict", "unsafe_free", "writable",

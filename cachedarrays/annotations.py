@@ -130,7 +130,9 @@ def unsafe_free(*xs: Any) -> None:
 
 
 class Preserved(frozenset):
-    """Object ids that `cleanup` must not free (see `preserve`)."""
+    """Object ids that `cleanup` must not free (see `preserve`). A program that already holds the
+    ids of what it keeps (``x.object.id``) may build one from them, rather than have `preserve`
+    walk the arrays again."""
 
 
 def preserve(tree: Any) -> Preserved:

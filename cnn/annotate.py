@@ -59,10 +59,11 @@ class Annotations:
         return out
 
     def release_dead(self, dead: Any, keep: Any) -> int:
-        """`cleanup` ``dead`` except what ``keep`` holds; returns the number of objects handed to the policy."""
+        """`cleanup` ``dead`` except what ``keep`` holds (a tree, or a `Preserved` set of object
+        ids); returns the number of objects handed to the policy."""
         if not self.enabled:
             return 0
-        return cleanup(dead, preserve(keep))
+        return cleanup(dead, keep)
 
     def update(self, ex: Executor, step, tensors: Sequence, dead: Any) -> None:
         """An optimiser step on ``tensors`` (weight, gradient, state): prefetch, run, free the gradient."""

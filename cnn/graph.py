@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
-from cachedarrays import CachedArray
+from cachedarrays import CachedArray, Preserved, preserve
 
 from . import kernels as K
 from .annotate import Annotations
@@ -77,8 +77,9 @@ class GradStore:
         if not self.users[g.object.id]:
             del self.users[g.object.id]
 
-    def live(self) -> list[CachedArray]:
-        return list(self.grads.values())
+    def ids(self) -> set[int]:
+        """The object ids of the gradients held."""
+        return {g.object.id for g in self.grads.values()}
 
 
 class Tape:
@@ -158,7 +159,8 @@ class Tape:
                 inputs = [x for n in deferred for x in n.inputs
                           if isinstance(x, CachedArray) and x.object.id not in made]
                 dead, deferred, dead_block = dead_block, [], []
-            keep = (inputs, list(params.values()), grads.live(), pgrads.live())
+            # by id: walking every parameter and gradient at every node made the backward pass quadratic
+            keep = Preserved(preserve(inputs) | params.keys() | grads.ids() | pgrads.ids())
             self.ann.release_dead(dead, keep)
         order = list(reversed(list(params)))
         return [(params[k], pgrads.grads[k]) for k in order]
