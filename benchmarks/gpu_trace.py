@@ -149,8 +149,10 @@ def record(args) -> tuple[str, dict[str, Any]]:
     sync = cp.cuda.get_current_stream().synchronize
     hbm = in_hbm_model(cp, T, small, F, 0.01, small_b[0])
     ours, m, views, _ = host_model(T, n, F, budget, "lru", cf, 0.01, big[0])
-    print(f"{T} x {n} rows, HBM budget {args.budget}% -> cache fraction {cf:.4f}; {args.warm_steps} warm-up steps",
-          flush=True)
+    for t in ours.tables:
+        t.reads = args.lru_reads
+    print(f"{T} x {n} rows, HBM budget {args.budget}% -> cache fraction {cf:.4f}, {args.lru_reads} reads; "
+          f"{args.warm_steps} warm-up steps", flush=True)
     for j in range(args.warm_steps):
         ours.train_step(big[j], big[j + 1])
     at = {"ours": args.warm_steps, "in HBM": 0}  # the next batch of each model (ours: the one prefetched)
@@ -194,6 +196,8 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=20_000_000, help="rows per table")
     p.add_argument("--budget", type=float, default=10.0, help="HBM budget, percent of the tables' bytes")
     p.add_argument("--batch", type=int, default=16384)
+    p.add_argument("--lru-reads", choices=("mapped", "staged"), default="mapped",
+                   help="how ours brings missed rows up (LRUCachedEmbeddings(reads=))")
     p.add_argument("--lookups", type=int, default=20, help="lookups per bag")
     p.add_argument("--warm-steps", type=int, default=50)
     p.add_argument("--steps", type=int, default=8, help="timed steps of each model")
