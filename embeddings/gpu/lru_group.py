@@ -7,7 +7,8 @@ tables' batches are placed together, as FBGEMM's table-batched embeddings do: on
 the concatenated indices, one sort of keys that number the sets of all tables one after the
 other (so each table's misses stay grouped by set, the tables one after the other), one victim
 selection, one write-back (:func:`write_back`: one block, one copy, CPU threads at home in the
-background) and one read kernel over the rows that move, one settle. Each kernel finds its
+background), one read of the rows that move (:func:`read`: a kernel through their mapped host
+addresses, or CPU threads gathering them into one block that goes up in one copy), one settle. Each kernel finds its
 table's parameters and arrays (tags, stamps, dirty bits, rows, the mapped base table, Adagrad's
 accumulators) in a small table of pointers, :attr:`Group.dev`.
 
