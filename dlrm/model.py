@@ -144,9 +144,9 @@ class DLRM:
             return batch.indices
         memo, self._indices = self._indices, None
         if upload or memo is None or memo[0] is not batch:
-            from cachedarrays.devices.gpu import cupy
-            cp = cupy()
-            memo = (batch, [cp.asarray(i) for i in batch.indices])
+            from embeddings.gpu.backend import cuda_backend
+            be = cuda_backend()
+            memo = (batch, [be.asarray(i) for i in batch.indices])
         if upload:
             self._indices = memo
         return memo[1]
@@ -281,5 +281,5 @@ def _as_jax(x):
 
 
 def _sync_cupy() -> None:
-    from cachedarrays.devices.gpu import cupy
-    cupy().cuda.get_current_stream().synchronize()
+    from embeddings.gpu.backend import cuda_backend
+    cuda_backend().sync()
