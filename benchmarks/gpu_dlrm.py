@@ -308,19 +308,17 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
     at = {"next": args.warm_steps}
     timers = {}
 
-    def variant(reads: str):
-        timers[reads] = type(ours.timer)()
+    def variant(reads: str, model=ours):
+        timers[reads] = type(model.timer)()
 
         def step(_j):
-            for t in tables:
+            for t in model.tables:
                 if hasattr(t, "reads"):
                     t.reads = reads
-            ours.timer = timers[reads]
+            model.timer = timers[reads]
             j, at["next"] = at["next"], at["next"] + 1
-            counted["ours"] += 1
-            return ours.train_step(big_b[j % nsteps], big_b[(j + 1) % nsteps])
+            return model.train_step(big_b[j % nsteps], big_b[(j + 1) % nsteps])
         return step
-    counted = {"ours": 0}
     contenders["ours"] = (variant("mapped"), args.per_round, B)
     if variants == 2:
         contenders["ours, staged reads"] = (variant("staged"), args.per_round, B)
@@ -335,7 +333,7 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
 
     sps = rounds(contenders, args.rounds)
     res["samples_per_s"] = sps
-    steps = counted["ours"]
+    steps = at["next"] - args.warm_steps  # ours' steps, both variants
     rates = [hitrate(t) for t in ours.tables]
     res["hit_rate"] = float(np.mean(rates))
     res["hit_rate_per_table"] = rates
