@@ -117,10 +117,10 @@ def test_staged_reads_gather_the_rows_on_the_host_and_a_bad_choice_is_refused(mo
     for step in range(6):
         idx = zipf_batch(rng, 16, 5)
         gathered.clear(), reads.clear()
+        admitted = int(t.counts[2])
         assert np.array_equal(_host(E.lookup(t, idx)), ref.lookup(idx))
-        assert gathered and gathered[0] == t.counts[2] - (ref_admitted if step else 0)
+        assert gathered == [int(t.counts[2]) - admitted] and gathered[0] > 0  # every admitted row, gathered
         assert (False, True) not in reads  # no row read through its mapped address
-        ref_admitted = int(t.counts[2])
         g = rng.standard_normal((16, F)).astype(np.float32)
         E.pullback(t, g, idx, optimizer=E.SGD(0.1))
         ref.pullback(g, idx, optimizer=E.SGD(0.1))
