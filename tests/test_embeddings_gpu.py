@@ -201,6 +201,17 @@ def test_numpy_tables_never_take_the_gpu_path():
     assert not table_on_gpu(E.SimpleEmbedding(np.zeros((4, 8), np.float32)))
 
 
+def test_bounce_blocks_come_in_few_sizes_each_at_most_a_quarter_larger_than_asked():
+    from embeddings.gpu.backend import size_class
+    sizes = np.unique(np.r_[np.arange(1, 70000, 7), np.linspace(1e5, 3e8, 5000).astype(np.int64)])
+    classes = np.array([size_class(int(n)) for n in sizes])
+    assert np.all(classes >= sizes) and np.all(np.diff(classes) >= 0)
+    assert np.all(classes[sizes > 4096] <= 1.25 * sizes[sizes > 4096]) and np.all(classes[sizes <= 4096] == 4096)
+    band = (sizes >= 100e6) & (sizes <= 125e6)  # a placement's rows from one step to the next
+    assert len(np.unique(classes[band])) <= 3
+    assert all(size_class(int(c)) == c for c in classes)  # a class asked for again is itself
+
+
 # ---------------------------------------------------------------------------------------- on a GPU
 def _gpu_tables(W: np.ndarray):
     """The same rows as a CuPy array, a JAX GPU array and a GPU-resident CachedArray (with its manager)."""
@@ -215,6 +226,24 @@ def _gpu_tables(W: np.ndarray):
 
 def _host(a) -> np.ndarray:
     return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
+def test_bounce_blocks_of_changing_sizes_reuse_the_page_locked_pool():
+    """A block freed goes back to CuPy's pool and serves the next request of another size in its
+    class: 200 transfers of different sizes page-lock memory a few times, not 200."""
+    import cupy as cp
+    from embeddings.gpu.backend import cuda_backend
+    be, pool = cuda_backend(), cp.get_default_pinned_memory_pool()
+    rng = np.random.default_rng(3)
+    before = pool.n_free_blocks()
+    for n in rng.integers(400_000, 480_000, 200):
+        block = be.bounce((int(n), 64), np.float32)
+        assert block.shape == (n, 64) and block.dtype == np.float32
+        block[-1] = 1.0
+        del block
+    assert pool.n_free_blocks() - before <= 2
 
 
 @pytest.mark.gpu

@@ -24,6 +24,17 @@ from cachedarrays.devices.gpu import HOST_REGISTER_FLAGS
 from . import cuda, reference
 
 
+def size_class(nbytes: int) -> int:
+    """``nbytes`` rounded up to one of four sizes an octave (at most 25% more; 4 KiB at least).
+    CuPy's page-locked pool reuses a freed block only for a request of exactly its size, so
+    transfers whose size changes every call (the rows a placement moves) would otherwise
+    page-lock fresh memory each time and keep every freed block."""
+    if nbytes <= 4096:
+        return 4096
+    step = 1 << max((nbytes - 1).bit_length() - 3, 0)
+    return -(-nbytes // step) * step
+
+
 class Plan:
     """An update's plan: ``perm`` sorts the batch positions by row (stable), ``srow[q]`` is the row
     of sorted entry ``q``, so each row's entries are a run of equal ``srow``; the runs of more than
@@ -64,6 +75,8 @@ class ReferenceBackend:
 
     def pinned(self, shape: Any, dtype: Any) -> np.ndarray:
         return np.empty(shape, dtype)
+
+    bounce = pinned
 
     def upload(self, dst: Any, src: np.ndarray) -> None:
         dst[...] = src
@@ -200,6 +213,15 @@ class CudaBackend:
         """A host array in page-locked memory (what an asynchronous upload reads)."""
         n = int(np.prod(shape))
         mem = self.xp.cuda.alloc_pinned_memory(max(1, n * np.dtype(dtype).itemsize))
+        return np.frombuffer(mem, dtype, n).reshape(shape)
+
+    def bounce(self, shape: Any, dtype: Any) -> np.ndarray:
+        """:meth:`pinned` for one transfer of a size that changes from call to call: taken from
+        blocks of :func:`size_class` sizes, which the pool hands out again once freed. Page-locking
+        fresh memory is slow (about as slow as the copy) and holds up other threads' CUDA calls
+        meanwhile, and each freed block of a new size would stay in the pool for good."""
+        n = int(np.prod(shape))
+        mem = self.xp.cuda.alloc_pinned_memory(size_class(max(1, n * np.dtype(dtype).itemsize)))
         return np.frombuffer(mem, dtype, n).reshape(shape)
 
     def upload(self, dst: Any, src: np.ndarray) -> None:

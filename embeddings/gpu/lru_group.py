@@ -299,7 +299,7 @@ def write_back(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
     be = g.tables[0].backend
     F = g.tables[0]._W.shape[1]
     block = gather(g, slot[:n], tab[:n])
-    host, tabs, rows = be.pinned((n, F), np.float32), be.pinned((n,), np.int64), be.pinned((n,), np.int64)
+    host, tabs, rows = be.bounce((n, F), np.float32), be.bounce((n,), np.int64), be.bounce((n,), np.int64)
     fence = be.download_aside([(host, block), (tabs, tab[:n]), (rows, hrow[:n])])
     sources = [block, tab, hrow]  # what the copy reads stays allocated until it has landed
 
@@ -335,7 +335,7 @@ def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
         return
     be = g.tables[0].backend
     F = g.tables[0]._W.shape[1]
-    tabs, rows, block = be.pinned((n,), np.int64), be.pinned((n,), np.int64), be.pinned((n, F), np.float32)
+    tabs, rows, block = be.bounce((n,), np.int64), be.bounce((n,), np.int64), be.bounce((n, F), np.float32)
     be.download(tabs, tab[:n])
     be.download(rows, hrow[:n])
     be.wait(be.fence())
