@@ -8,8 +8,6 @@ same backend: resolving indices to slots must not change a single bit.
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
 from hypothesis import settings, strategies as st
@@ -99,8 +97,7 @@ def test_lookups_and_updates_equal_the_uncached_table_bit_for_bit(ways, rows, st
     m.check()
 
 
-@pytest.mark.parametrize("piece", [LG.PIECE_ROWS, 7])
-def test_staged_reads_gather_the_rows_on_the_host_and_a_bad_choice_is_refused(monkeypatch, piece):
+def test_staged_reads_gather_the_rows_on_the_host_and_a_bad_choice_is_refused(monkeypatch):
     """``reads="staged"``: the rows a placement brings in are gathered by CPU threads into one
     block (and put into their slots from it), not read through their mapped addresses; the
     choice may change between steps, and anything but the two choices is refused with the
@@ -111,7 +108,6 @@ def test_staged_reads_gather_the_rows_on_the_host_and_a_bad_choice_is_refused(mo
     with pytest.raises(ValueError, match=r"t: reads must be one of \('mapped', 'staged'\), got 'dma'"):
         make(W0, m, cache_rows=40, ways=4, reads="dma", name="t")
     m.check()
-    monkeypatch.setattr(LG, "PIECE_ROWS", piece)
     gathered, reads = [], []
     gather, move = LG.gather_rows, LG.move
     monkeypatch.setattr(LG, "gather_rows", lambda jobs: gathered.append(sum(r.size for _, r, _ in jobs)) or gather(jobs))
@@ -123,9 +119,7 @@ def test_staged_reads_gather_the_rows_on_the_host_and_a_bad_choice_is_refused(mo
         gathered.clear(), reads.clear()
         admitted = int(t.counts[2])
         assert np.array_equal(_host(E.lookup(t, idx)), ref.lookup(idx))
-        admitted = int(t.counts[2]) - admitted
-        assert sum(gathered) == admitted > 0 and len(gathered) == -(-admitted // piece)  # every admitted row,
-        assert all(0 < k <= piece for k in gathered)                                    # in pieces
+        assert gathered == [int(t.counts[2]) - admitted] and gathered[0] > 0  # every admitted row, gathered
         assert (False, True) not in reads  # no row read through its mapped address
         g = rng.standard_normal((16, F)).astype(np.float32)
         E.pullback(t, g, idx, optimizer=E.SGD(0.1))
@@ -139,37 +133,6 @@ def test_staged_reads_gather_the_rows_on_the_host_and_a_bad_choice_is_refused(mo
     with pytest.raises(ValueError, match="t: reads must be one of"):
         t.reads = "staging"
     assert t.reads == "mapped"
-    t.close()
-    m.check()
-
-
-def test_rows_a_staged_read_sends_home_are_scattered_after_its_gather_not_beside_it(monkeypatch):
-    """The gather is on the way to the next lookup, the home scatter only to the next placement:
-    each placement's scatter starts once its read has gathered every piece (a slow gather makes
-    a scatter that started early show up inside the read)."""
-    import time
-    from embeddings.kernels import scatter as SC
-    rng = np.random.default_rng(19)
-    W0 = rng.standard_normal((N, F)).astype(np.float32)
-    m = host_manager()
-    events = []
-    gather, read, scatter = LG.gather_rows, LG.read, SC.scatter_rows
-    monkeypatch.setattr(LG, "PIECE_ROWS", 9)
-    monkeypatch.setattr(LG, "gather_rows", lambda jobs: (events.append("g"), time.sleep(0.01), gather(jobs),
-                                                         events.append("G")))
-    monkeypatch.setattr(LG, "read", lambda *a: (events.append("["), read(*a), events.append("]")))
-    monkeypatch.setattr(SC, "scatter_rows", lambda jobs: (events.append("S"), scatter(jobs)))
-    t, ref = make(W0, m, cache_rows=40, ways=4, reads="staged", name="t"), Reference(W0)
-    for step in range(6):
-        idx = zipf_batch(rng, 16, 5)
-        assert np.array_equal(_host(E.lookup(t, idx)), ref.lookup(idx))
-        g = rng.standard_normal((16, F)).astype(np.float32)
-        E.pullback(t, g, idx, optimizer=E.SGD(0.1))
-        ref.pullback(g, idx, optimizer=E.SGD(0.1))
-    seq = "".join(events)
-    assert seq.count("S") >= 3 and seq.count("gG") >= 6, seq
-    assert re.fullmatch(r"(\[(gG)*\]S?)+", seq), seq  # no scatter inside a read
-    assert np.array_equal(contents(t), ref.W)
     t.close()
     m.check()
 

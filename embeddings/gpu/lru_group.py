@@ -19,7 +19,6 @@ table by table with :mod:`.lru_kernels` and are what CI runs, and a GPU test com
 
 from __future__ import annotations
 
-import threading
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -187,9 +186,6 @@ class Group:
         self.none = int(self.sbase[-1]) * self.Rmax
         self.host = isinstance(tables[0]._tags, np.ndarray)
         self.staged = tables[0].reads == "staged"
-        self.gathered = threading.Event()  # set once a staged read has gathered its rows (at once otherwise)
-        if not self.staged:
-            self.gathered.set()
         self.dev = self.doff = self.dsbase = None
         if not self.host:
             import cupy as cp
@@ -310,7 +306,6 @@ def write_back(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
     def landed() -> None:
         be.wait(fence)
         sources.clear()
-        g.gathered.wait()
 
     def jobs() -> list:
         cut = np.searchsorted(tabs, np.arange(g.T + 1))
@@ -321,22 +316,16 @@ def write_back(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
         tb._home = home
 
 
-PIECE_ROWS = 65536  # rows of a staged read gathered at a time: each piece goes up while the next is gathered
-
-
 def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
     """Bring in the first ``count`` rows, ``j``: host row ``hrow[j]`` of table ``tab[j]`` into its
     slot ``slot[j]`` (grouped by table, host-address order within each). Mapped reads (the
     default): the GPU reads each row through its mapped host address. Staged reads
     (``reads="staged"``): CPU threads gather the rows into one page-locked block
-    (:func:`~embeddings.kernels.scatter.gather_rows`), a piece of :data:`PIECE_ROWS` rows at a
-    time, each piece copied up while the next is gathered, and the rows are put into their
-    slots on the device: no SM waits on PCIe (mapped reads stall the blocks that issue them,
-    and slowed the current batch's update kernels beside them 2-3x on the H100), at the price
-    of host threads and one wait for the number of rows. The rows this placement sends home
-    are scattered after the gather (``g.gathered``), not beside it: the gather is on the way to
-    the next lookup, the scatter only to the next placement. Adagrad's accumulators (4 bytes a
-    row) are read through their mapped addresses either way."""
+    (:func:`~embeddings.kernels.scatter.gather_rows`), which goes up in one copy and is put into
+    the slots on the device: no SM waits on PCIe (mapped reads stall the blocks that issue
+    them, and slowed the current batch's update kernels beside them 2-3x on the H100), at the
+    price of host threads and one wait for the number of rows. Adagrad's accumulators (4 bytes
+    a row) are read through their mapped addresses either way."""
     if not g.staged:
         move(g, slot, tab, hrow, count, down=False)
         return
@@ -351,12 +340,10 @@ def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
     be.download(rows, hrow[:n])
     be.wait(be.fence())
     cut = np.searchsorted(tabs, np.arange(g.T + 1))
+    gather_rows([(tb._base, rows[cut[t]:cut[t + 1]], block[cut[t]:cut[t + 1]])
+                 for t, tb in enumerate(g.tables) if cut[t + 1] > cut[t]])
     up = be.xp.empty((n, F), np.float32)
-    for a in range(0, n, PIECE_ROWS):
-        b = min(n, a + PIECE_ROWS)
-        gather_rows([(tb._base, rows[lo:hi], block[lo:hi]) for t, tb in enumerate(g.tables)
-                     if (hi := min(b, cut[t + 1])) > (lo := max(a, cut[t]))])
-        be.upload(up[a:b], block[a:b])
+    be.upload(up, block)
     put(g, slot[:n], tab[:n], up)
     be.wait(be.fence())  # the block is read before its page-locked memory can go back to the pool
 
@@ -464,10 +451,7 @@ def place(g: Group, idx: Any, xp: Any, counted: bool = True) -> Placement:
     old, wkey, rkey, cnt = moves(g, victim, tid, row)
     out, into = xp.argsort(wkey), xp.argsort(rkey)
     write_back(g, victim[out], tid[out], old[out], cnt[0:1])
-    try:
-        read(g, victim[into], tid[into], row[into], cnt[1:2])
-    finally:
-        g.gathered.set()  # the rows going home wait for it, also when the read failed
+    read(g, victim[into], tid[into], row[into], cnt[1:2])
     settle(g, row, victim, tid)
     return Placement(slot, sk, order, first, row, victim)
 
