@@ -232,7 +232,8 @@ def _host(a) -> np.ndarray:
 @pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
 def test_bounce_blocks_of_changing_sizes_reuse_the_page_locked_pool():
     """A block freed goes back to CuPy's pool and serves the next request of another size in its
-    class: 200 transfers of different sizes page-lock memory a few times, not 200."""
+    class: 200 transfers of different sizes page-lock memory a few times, not 200; host arrays
+    uploaded by the backend likewise."""
     import cupy as cp
     from embeddings.gpu.backend import cuda_backend
     be, pool = cuda_backend(), cp.get_default_pinned_memory_pool()
@@ -244,6 +245,13 @@ def test_bounce_blocks_of_changing_sizes_reuse_the_page_locked_pool():
         block[-1] = 1.0
         del block
     assert pool.n_free_blocks() - before <= 2
+    before = pool.n_free_blocks()
+    for n in rng.integers(400_000, 480_000, 100):  # host arrays made device arrays
+        x = rng.integers(0, 1 << 40, int(n))
+        assert np.array_equal(be.asarray(x).get(), x)
+        assert np.array_equal(be.asarray(x[::3], np.int32).get(), x[::3].astype(np.int32))
+    be.sync()
+    assert pool.n_free_blocks() - before <= 4
 
 
 @pytest.mark.gpu

@@ -13,6 +13,7 @@ driver reads them after the next synchronisation, before anything is written.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 from typing import Any
@@ -179,14 +180,33 @@ class CudaBackend:
 
     def asarray(self, x: Any, dtype: Any = None) -> Any:
         """On the device: CuPy arrays as they are, other device arrays (JAX) through DLPack without
-        a copy, host arrays uploaded."""
+        a copy, host arrays uploaded (through a :meth:`bounce` block, not CuPy's own page-locked
+        buffer of exactly their size: uploads of changing sizes, such as a step's misses, would
+        each page-lock fresh memory and keep it)."""
         cp = self.xp
         if type(x) is cp.ndarray and (dtype is None or x.dtype == dtype):
             return x
-        if not isinstance(x, cp.ndarray) and not isinstance(x, np.ndarray) and hasattr(x, "__dlpack__") \
-                and self.is_device(x):
+        if isinstance(x, np.ndarray) and x.ndim:  # (ascontiguousarray makes a 0-d array 1-d)
+            return self._upload(np.ascontiguousarray(x, dtype=dtype))
+        if not isinstance(x, cp.ndarray) and hasattr(x, "__dlpack__") and self.is_device(x):
             x = cp.from_dlpack(x)
         return cp.asarray(x, dtype=dtype)
+
+    def _upload(self, host: np.ndarray) -> Any:
+        """A device copy of C-contiguous ``host``, made on the current stream without waiting."""
+        dev = self.xp.empty(host.shape, host.dtype)
+        if host.nbytes == 0:
+            return dev
+        block = self.bounce(host.shape, host.dtype)
+        block[...] = host
+        self.upload(dev, block)
+        held = getattr(self._local, "held", None)
+        if held is None:
+            held = self._local.held = collections.deque()
+        held.append((self.fence(), block))  # the block goes back to the pool once the copy has read it
+        while held and held[0][0].done:
+            held.popleft()
+        return dev
 
     def to_host(self, x: Any) -> np.ndarray:
         return self.asarray(x).get()
