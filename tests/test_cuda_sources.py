@@ -5,6 +5,7 @@ behaviour is tested on a GPU (marked ``gpu``) against their numpy forms."""
 
 from __future__ import annotations
 
+import ast
 import ctypes
 import glob
 import os
@@ -13,6 +14,7 @@ import re
 import pytest
 
 ARCH = "compute_90"  # the H100's
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _nvrtc():
@@ -57,15 +59,39 @@ def test_a_broken_source_is_reported_with_nvrtcs_log():
         ptx("broken", 'extern "C" __global__ void f() { undefined_thing = 1; }')
 
 
-@pytest.mark.parametrize("module,kernels", [
-    ("embeddings.gpu.cuda", {"pooled_v4_i32", "pooled_v1_i64", "sorted_rows_i32", "long_rows_i64", "chunk_sums_v4",
-                             "update_long_v4_i32", "update_short_v1_i64", "check_i32"}),
-    ("embeddings.gpu.lru_kernels", {"lru_distinct", "lru_copy_v4", "lru_copy_v1"}),
-    ("embeddings.gpu.lru_group", {"tb_probe", "tb_count", "tb_victims", "tb_moves", "tb_move_v4", "tb_move_v1",
-                                  "tb_gather_v4", "tb_gather_v1", "tb_put_v4", "tb_put_v1", "tb_settle"}),
-])
-def test_every_cuda_source_compiles_with_the_kernels_its_launchers_name(module, kernels):
+LAUNCHERS = {"embeddings.gpu.cuda": "embeddings/gpu/backend.py",  # module with the source: the code launching it
+             "embeddings.gpu.lru_kernels": "embeddings/gpu/lru_kernels.py",
+             "embeddings.gpu.lru_group": "embeddings/gpu/lru_group.py"}
+
+
+def launched(path: str) -> set[str]:
+    """The kernel names ``path`` launches, as patterns: its string literals spelled like a kernel
+    name (``tb_probe``), f-strings with each field read as a word (``tb_move_{vt}`` -> ``tb_move_\\w+``)."""
+    tree = ast.parse(open(os.path.join(ROOT, path)).read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            text = re.escape(node.value)
+        elif isinstance(node, ast.JoinedStr):
+            text = "".join(re.escape(v.value) if isinstance(v, ast.Constant) else r"\w+" for v in node.values)
+        else:
+            continue
+        if re.fullmatch(r"[a-z]+(_([a-z0-9]+|\\w\+))+", text):
+            names.add(text)
+    return names
+
+
+def test_the_launcher_scan_reads_literals_and_fstrings():
+    assert {"tb_probe", r"tb_move_\w+", "tb_move_v1"} <= launched(LAUNCHERS["embeddings.gpu.lru_group"])
+    assert r"pooled_\w+_\w+" in launched(LAUNCHERS["embeddings.gpu.cuda"])
+
+
+@pytest.mark.parametrize("module", sorted(LAUNCHERS))
+def test_every_cuda_source_compiles_with_the_kernels_its_launcher_names_and_no_others(module):
     import importlib
-    source = importlib.import_module(module).SOURCE
-    got = entries(ptx(module, source))
-    assert kernels <= got, f"missing: {sorted(kernels - got)}"
+    got = entries(ptx(module, importlib.import_module(module).SOURCE))
+    wanted = launched(LAUNCHERS[module])
+    missing = [w for w in wanted if not any(re.fullmatch(w, e) for e in got)]
+    unused = [e for e in got if not any(re.fullmatch(w, e) for w in wanted)]
+    assert not missing, f"launched but not compiled: {sorted(missing)}"
+    assert not unused, f"compiled but never launched: {sorted(unused)}"
