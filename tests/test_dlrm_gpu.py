@@ -246,9 +246,12 @@ def test_with_every_table_in_hbm_a_step_uploads_its_indices_once_and_bad_ones_ra
     W = [rng.random((n, F), dtype=np.float32) - 0.5 for n in sizes]
     plain = DLRM(cfg, [SimpleEmbedding(w.copy(), name=f"t{i}") for i, w in enumerate(W)], lr=0.1)
     model = DLRM(cfg, [SimpleEmbedding(cp.asarray(w), name=f"t{i}") for i, w in enumerate(W)], lr=0.1, device="gpu")
+    from embeddings.gpu.backend import CudaBackend
     uploads = []
-    real = cp.asarray
+    real, real_be = cp.asarray, CudaBackend.asarray
     monkeypatch.setattr(cp, "asarray", lambda a, *k, **kw: (uploads.append(id(a)), real(a, *k, **kw))[1])
+    monkeypatch.setattr(CudaBackend, "asarray",  # host arrays go up through the backend's own blocks
+                        lambda be, a, *k, **kw: (uploads.append(id(a)), real_be(be, a, *k, **kw))[1])
     for b in batches[:3]:
         uploads.clear()
         np.testing.assert_allclose(model.train_step(b).loss, plain.train_step(b).loss, rtol=1e-4)
