@@ -5,8 +5,11 @@ Every script runs on a fast DRAM of 1 MiB (20 GB/s) over PM ("optane": 39 GB/s r
 scripted clock makes the recorded times (and so the look-ahead's time bound) exact.
 """
 
+import math
+
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import cachedarrays as ca
 from cachedarrays import DRAM, PM, CachedArray, CorrelationPrefetchPolicy, Manager, readable
@@ -326,3 +329,48 @@ def test_recorded_gaps_come_from_the_stamps_clock_not_the_host_clock():
         iteration(m, pol, xs, clock, gap=1e-3)
         iteration(m, pol, xs, clock, gap=1e-3)
         assert pol.learned.times == [0.5, 1.0, 1.5] and pol.learned.period == 2.0
+
+
+# ---------------------------------------------------------------------- the settled range changes no decision
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), slack=st.sampled_from([0.5, 2.0, math.inf]), fast=st.sampled_from(["600KiB", "1MiB", "2MiB"]))
+def test_walks_that_skip_settled_positions_decide_exactly_as_walks_from_the_next_use(data, slack, fast):
+    """Two managers run the same random program (weights used every iteration in a mostly repeated
+    order, activations born, read and freed each iteration, scripted gaps): one policy starts every
+    walk at the next use, the other skips the settled range. After every use both hold every object
+    on the same level and have counted the same prefetches, hits and fetches."""
+    nw = data.draw(st.integers(2, 6), label="weights")
+    order = data.draw(st.lists(st.integers(0, nw - 1), min_size=3, max_size=12), label="order")
+    sizes = [N, N // 2, N // 3]
+    runs = []
+    for skip in (False, True):
+        clock = Clock()
+        pol = CorrelationPrefetchPolicy(clock=clock, slack=slack)
+        pol.skip_settled = skip
+        m = Manager(DRAM(fast, bandwidth=(20, 20)), PM(None, "16MiB", bandwidth="optane"), policy=pol)
+        runs.append((clock, pol, m, [CachedArray(np.full(sizes[i % 3], i, np.float32), m) for i in range(nw)]))
+    for it in range(4):
+        uses = list(order)
+        if data.draw(st.booleans(), label=f"perturb {it}"):
+            uses.insert(data.draw(st.integers(0, len(uses)), label="at"), data.draw(st.integers(0, nw - 1), label="w"))
+        births = data.draw(st.lists(st.integers(0, len(uses)), max_size=3), label=f"births {it}")
+        gaps = data.draw(st.lists(st.sampled_from([1e-6, 1e-5, 1e-4, 1e-3]), min_size=len(uses), max_size=len(uses)),
+                         label=f"gaps {it}")
+        acts = [[] for _ in runs]
+        for clock, pol, m, _ in runs:
+            clock.t += 1.0
+            pol.mark_iteration()
+        for j, (w, gap) in enumerate(zip(uses, gaps)):
+            for r, (clock, pol, m, ws) in enumerate(runs):
+                for b in births:
+                    if b == j:
+                        acts[r].append(CachedArray(np.full(N // 2, 100 + j, np.float32), m))
+                use(ws[w], clock, gap)
+                if acts[r] and j % 3 == 2:
+                    use(acts[r][0], clock, gap)
+            (_, p0, m0, w0), (_, p1, m1, w1) = runs
+            assert places(w0) == places(w1) and places(acts[0]) == places(acts[1]), (it, j)
+            assert p0.stats == p1.stats, (it, j)
+        for r, (clock, pol, m, ws) in enumerate(runs):
+            acts[r].clear()
+            m.check()
