@@ -101,22 +101,17 @@ def _simd(table: np.ndarray, block: np.ndarray) -> tuple:
     return ()
 
 
-def _run(dst: np.ndarray, rows: np.ndarray, src: np.ndarray) -> None:
-    """One piece of a scatter, by the fastest kernel its arrays allow."""
-    spec = _simd(dst, src)
-    if spec:
-        _scatter_simd(spec, dst, rows.astype(np.int64, copy=False), src, rows_on_lines(dst))
-    else:
-        _scatter(dst, rows, src)
-
-
-def _run_gather(table: np.ndarray, rows: np.ndarray, block: np.ndarray) -> None:
-    """One piece of a gather, by the fastest kernel its arrays allow."""
+def _piece(kind: str, table: np.ndarray, rows: np.ndarray, block: np.ndarray) -> None:
+    """One piece of a scatter (``table[rows[i]] = block[i]``) or a gather (``block[i] =
+    table[rows[i]]``), by the fastest kernel its arrays allow: vector copies of specialised
+    rows, streamed when every row of the destination starts a cache line."""
+    simd, plain = (_scatter_simd, _scatter) if kind == "scatter" else (_gather_simd, _gather)
+    dst, src = (table, block) if kind == "scatter" else (block, table)
     spec = _simd(table, block)
     if spec:
-        _gather_simd(spec, block, rows.astype(np.int64, copy=False), table, rows_on_lines(block))
+        simd(spec, dst, rows.astype(np.int64, copy=False), src, rows_on_lines(dst))
     else:
-        _gather(block, rows, table)
+        plain(dst, rows, src)
 
 
 def _check(jobs: Sequence[Job], into: str) -> None:
@@ -130,8 +125,8 @@ def _check(jobs: Sequence[Job], into: str) -> None:
             raise IndexError(f"{into} rows outside 0..{table.shape[0] - 1}")
 
 
-def _split_run(kind: str, run: Callable, jobs: Sequence[Job]) -> None:
-    """``run(table, rows, block)`` over every job, split into pieces across :data:`THREADS`
+def _split_run(kind: str, jobs: Sequence[Job]) -> None:
+    """The ``kind`` (scatter or gather) of every job, split into pieces across :data:`THREADS`
     threads of the ``kind`` pool; returns when all are done."""
     tasks = []
     for table, rows, block in jobs:
@@ -140,13 +135,13 @@ def _split_run(kind: str, run: Callable, jobs: Sequence[Job]) -> None:
         tasks += [(table, rows[a:b], block[a:b]) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
     if len(tasks) <= 1:
         for t in tasks:
-            run(*t)
+            _piece(kind, *t)
         return
     with _start:
         if kind not in _pools:
             _pools[kind] = ThreadPoolExecutor(THREADS, thread_name_prefix=f"cachedarrays-{kind}")
         pool = _pools[kind]
-    for f in [pool.submit(run, *t) for t in tasks]:
+    for f in [pool.submit(_piece, kind, *t) for t in tasks]:
         f.result()
 
 
@@ -155,7 +150,7 @@ def scatter_rows(jobs: Sequence[Job]) -> None:
     same row shape and dtype, every position in range: checked for every job before any is
     written), split across :data:`THREADS` threads; returns when all are done."""
     _check(jobs, "scatter")
-    _split_run("scatter", _run, jobs)
+    _split_run("scatter", jobs)
 
 
 def gather_rows(jobs: Sequence[Job]) -> None:
@@ -163,7 +158,7 @@ def gather_rows(jobs: Sequence[Job]) -> None:
     :func:`scatter_rows` before any row moves), split across :data:`THREADS` threads; returns
     when all are done."""
     _check(jobs, "gather")
-    _split_run("gather", _run_gather, jobs)
+    _split_run("gather", jobs)
 
 
 def scatter_later(ready: Callable[[], None], jobs: Callable[[], Sequence[Job]]) -> Future:
