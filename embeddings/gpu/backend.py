@@ -180,33 +180,17 @@ class CudaBackend:
 
     def asarray(self, x: Any, dtype: Any = None) -> Any:
         """On the device: CuPy arrays as they are, other device arrays (JAX) through DLPack without
-        a copy, host arrays uploaded (through a :meth:`bounce` block, not CuPy's own page-locked
-        buffer of exactly their size: uploads of changing sizes, such as a step's misses, would
-        each page-lock fresh memory and keep it)."""
+        a copy, host arrays uploaded (:meth:`upload_concat`, not CuPy's own page-locked buffer of
+        exactly their size: uploads of changing sizes, such as a step's misses, would each
+        page-lock fresh memory and keep it)."""
         cp = self.xp
         if type(x) is cp.ndarray and (dtype is None or x.dtype == dtype):
             return x
-        if isinstance(x, np.ndarray) and x.ndim:  # (ascontiguousarray makes a 0-d array 1-d)
-            return self._upload(np.ascontiguousarray(x, dtype=dtype))
+        if isinstance(x, np.ndarray) and x.ndim:
+            return self.upload_concat([x.reshape(-1)], x.dtype if dtype is None else dtype).reshape(x.shape)
         if not isinstance(x, cp.ndarray) and hasattr(x, "__dlpack__") and self.is_device(x):
             x = cp.from_dlpack(x)
         return cp.asarray(x, dtype=dtype)
-
-    def _upload(self, host: np.ndarray) -> Any:
-        """A device copy of C-contiguous ``host``, made on the current stream without waiting."""
-        dev = self.xp.empty(host.shape, host.dtype)
-        if host.nbytes == 0:
-            return dev
-        block = self.bounce(host.shape, host.dtype)
-        block[...] = host
-        self.upload(dev, block)
-        held = getattr(self._local, "held", None)
-        if held is None:
-            held = self._local.held = collections.deque()
-        held.append((self.fence(), block))  # the block goes back to the pool once the copy has read it
-        while held and held[0][0].done:
-            held.popleft()
-        return dev
 
     def to_host(self, x: Any) -> np.ndarray:
         return self.asarray(x).get()
@@ -254,21 +238,22 @@ class CudaBackend:
 
     def upload_concat(self, parts: list[np.ndarray], dtype: Any) -> Any:
         """The host arrays ``parts`` one after the other as one device array of ``dtype``: joined
-        in a page-locked buffer of this thread and copied up without waiting (one copy, not a
-        synchronous copy from pageable memory per part, which also stalls other threads'
-        launches). The buffer is reused once that copy has landed."""
+        in a :meth:`bounce` block and copied up without waiting (one copy, not a synchronous copy
+        from pageable memory per part, which also stalls other threads' launches). This thread
+        holds the block until an event says the copy has read it; then it goes back to the pool."""
         n = sum(int(p.size) for p in parts)
-        buf = getattr(self._local, "joined", None)
-        if buf is None or buf.nbytes < n * np.dtype(dtype).itemsize:
-            buf = self._local.joined = self.pinned((max(n, 1) * np.dtype(dtype).itemsize,), np.uint8)
-        else:
-            self.wait(self._local.joined_fence)
-        host = buf[:n * np.dtype(dtype).itemsize].view(dtype)
-        np.concatenate(parts, out=host, casting="unsafe")  # validated indices: in range
         dst = self.xp.empty(n, dtype)
-        if n:
-            self.upload(dst, host)
-        self._local.joined_fence = self.fence()
+        if n == 0:
+            return dst
+        host = self.bounce((n,), dtype)
+        np.concatenate(parts, out=host, casting="unsafe")
+        self.upload(dst, host)
+        held = getattr(self._local, "held", None)
+        if held is None:
+            held = self._local.held = collections.deque()
+        held.append((self.fence(), host))
+        while held and held[0][0].done:
+            held.popleft()
         return dst
 
     def download(self, dst: np.ndarray, src: Any) -> None:
