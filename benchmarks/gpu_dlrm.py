@@ -329,7 +329,7 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
     th = TorchHostTables([np.asarray(v.array) for v in views], init_dense(cfg, 0), args.lr)
     tbs = [th.convert(b) for b in big_b[:args.rounds * args.torch_per_round + 1]]
     th.step(tbs[0])
-    contenders["torch CPU tables"] = (lambda j: th.step(tbs[j % len(tbs)]), args.torch_per_round, B)
+    contenders["torch CPU tables"] = (lambda j, th=th, tbs=tbs: th.step(tbs[j % len(tbs)]), args.torch_per_round, B)
 
     sps = rounds(contenders, args.rounds)
     res["samples_per_s"] = sps
@@ -413,7 +413,8 @@ def part2(args, cp, bw_d2d: float) -> tuple[dict, dict]:
     theirs.step(batches[0])
     torch.cuda.synchronize()
     sps = rounds({"ours (tables in HBM)": (ours_trainer(ours, batches), args.per_round, B),
-                  "torch all in HBM": (lambda j: theirs.step(batches[j % len(batches)]), args.per_round, B)},
+                  "torch all in HBM": (lambda j, theirs=theirs: theirs.step(batches[j % len(batches)]),
+                                       args.per_round, B)},
                  args.rounds)
     a, b = sps["ours (tables in HBM)"], sps["torch all in HBM"]
     emb_bytes = T * B * k * F * 4  # rows read by the lookup (the update touches the unique ones again)
