@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -88,10 +89,19 @@ class ReferenceBackend:
     def upload_concat(self, parts: list[np.ndarray], dtype: Any) -> np.ndarray:
         return np.concatenate(parts).astype(dtype, copy=False)
 
+    def aside(self, lane: int = 0) -> Any:
+        return contextlib.nullcontext()
+
     def download_aside(self, pairs: list[tuple[np.ndarray, Any]]) -> Any:
         for dst, src in pairs:
             self.download(dst, src)
         return None
+
+    def clock(self) -> float:
+        return time.perf_counter()  # the work queued before has run
+
+    def elapsed(self, start: Any, end: Any) -> float:
+        return end - start
 
     def mapped(self, host: np.ndarray, register: bool = True, name: str = "array") -> tuple[np.ndarray, Any]:
         """``host`` itself; ``register`` is recorded in :attr:`registered` as CUDA would page-lock
@@ -264,16 +274,24 @@ class CudaBackend:
         rt.memcpyAsync(dst.ctypes.data, src.data.ptr, src.nbytes, rt.memcpyDeviceToHost,
                        cp.cuda.get_current_stream().ptr)
 
-    def download_aside(self, pairs: list[tuple[np.ndarray, Any]]) -> Any:
-        """:meth:`download` of each ``(dst, src)`` on a second stream of this thread, after the
-        work queued so far on the current stream but beside what is queued after it; a fence
-        for :meth:`wait`."""
+    @contextlib.contextmanager
+    def aside(self, lane: int = 0) -> Any:
+        """A context in which this thread's work goes to side stream ``lane`` (one per thread and
+        lane): after the work queued so far on the current stream, beside what is queued on it
+        later. Lanes keep unrelated side work (a copy home, a kernel reading host memory) from
+        queueing behind each other."""
         after = self.fence()
-        side = getattr(self._local, "side", None)
+        sides = self._local.__dict__.setdefault("sides", {})
+        side = sides.get(lane)
         if side is None:
-            side = self._local.side = self.xp.cuda.Stream(non_blocking=True)
+            side = sides[lane] = self.xp.cuda.Stream(non_blocking=True)
         side.wait_event(after)
         with side:
+            yield
+
+    def download_aside(self, pairs: list[tuple[np.ndarray, Any]]) -> Any:
+        """:meth:`download` of each ``(dst, src)`` :meth:`aside` (lane 0); a fence for :meth:`wait`."""
+        with self.aside():
             for dst, src in pairs:
                 self.download(dst, src)
             return self.fence()
@@ -315,6 +333,16 @@ class CudaBackend:
     def wait(self, fence: Any) -> None:
         if fence is not None:
             fence.synchronize()
+
+    def clock(self) -> Any:
+        """A timing event after the work queued so far on the current stream (for :meth:`elapsed`)."""
+        ev = self.xp.cuda.Event()
+        ev.record()
+        return ev
+
+    def elapsed(self, start: Any, end: Any) -> float:
+        """Seconds of device time between two passed :meth:`clock` events."""
+        return self.xp.cuda.get_elapsed_time(start, end) / 1e3
 
     def stream(self) -> Any:
         """A context in which this thread's CuPy work goes to a stream of its own (one per thread)."""
