@@ -15,9 +15,9 @@ same index stream:
   (caching on access, or the most frequent rows known from the index generator). The next
   batch is prefetched while the current batch's dense work runs, as ``dlrm.train`` does. Under
   ``lru`` the model runs as two contenders, switched between rounds on the same tables and
-  index stream: missed rows read by the GPU through their mapped host addresses ("ours") and
-  gathered by CPU threads then copied up at once ("ours, staged reads"; ``--lru-reads``); the
-  targets take the faster;
+  index stream: missed rows read by the GPU through their mapped host addresses ("ours"),
+  gathered by CPU threads then copied up at once ("ours, staged reads") and both at once, each a
+  share that adapts ("ours, split reads"; ``--lru-reads``); the targets take the fastest;
 * in HBM: the same model with tables small enough to sit in HBM (``rows / --shrink`` rows each),
   the same Zipf ranks scaled down to them;
 * PyTorch without FBGEMM: ``nn.EmbeddingBag(sparse=True)`` over the same host tables on the CPU,
@@ -273,7 +273,7 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
           f"in-HBM model: {T} x {small} rows", flush=True)
     t0 = time.perf_counter()
     # a cache must not see a batch twice: the timed steps follow the warm-up on fresh batches
-    variants = 2 if args.policy == "lru" else 1  # lru: mapped and staged reads, on one model
+    variants = 3 if args.policy == "lru" else 1  # lru: mapped, staged and split reads, on one model
     nsteps = max(args.steps, args.warm_steps + variants * args.rounds * args.per_round + 2)
     big_b, small_b = make_batches(nsteps, T, n, small, B, k, seed=1)
     print(f"  index stream: {nsteps} batches in {time.perf_counter() - t0:.1f} s (ours never sees one twice)",
@@ -320,8 +320,9 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
             return model.train_step(big_b[j % nsteps], big_b[(j + 1) % nsteps])
         return step
     contenders["ours"] = (variant("mapped"), args.per_round, B)
-    if variants == 2:
+    if variants == 3:
         contenders["ours, staged reads"] = (variant("staged"), args.per_round, B)
+        contenders["ours, split reads"] = (variant("split"), args.per_round, B)
     print(f"  ours ready in {time.perf_counter() - t1:.1f} s ({args.warm_steps} warm-up steps)", flush=True)
 
     # PyTorch without FBGEMM, over the same host tables

@@ -30,6 +30,7 @@ try:
 except ImportError:
     import _paths  # noqa: F401
     from _common import parser, write_json
+from embeddings.gpu.lru import READS
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATS = ("cuda_runtime", "cuda_driver")
@@ -196,7 +197,7 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=20_000_000, help="rows per table")
     p.add_argument("--budget", type=float, default=10.0, help="HBM budget, percent of the tables' bytes")
     p.add_argument("--batch", type=int, default=16384)
-    p.add_argument("--lru-reads", choices=("mapped", "staged"), default="mapped",
+    p.add_argument("--lru-reads", choices=READS, default="mapped",
                    help="how ours brings missed rows up (LRUCachedEmbeddings(reads=))")
     p.add_argument("--lookups", type=int, default=20, help="lookups per bag")
     p.add_argument("--warm-steps", type=int, default=50)

@@ -27,6 +27,7 @@ import os
 import sys
 import time
 
+from embeddings.gpu.lru import READS
 
 from . import checkpoint
 from . import gpu
@@ -108,9 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dram: tables in DRAM; simple: tables in PM; static/dynamic: CachedEmbeddings; "
                         "lru (--device gpu): a set-associative cache in HBM run by the GPU itself")
     m.add_argument("--cache-fraction", type=float, default=0.1, help="static/dynamic/lru: cached rows per table")
-    m.add_argument("--lru-reads", choices=("mapped", "staged"), default="mapped",
-                   help="lru: how missed rows come up: mapped (the GPU reads them from host memory) or staged "
-                        "(CPU threads gather them into one block copied up at once)")
+    m.add_argument("--lru-reads", choices=READS, default="mapped",
+                   help="lru: how missed rows come up: mapped (the GPU reads them from host memory), staged "
+                        "(CPU threads gather them into one block copied up at once) or split (both at once, "
+                        "each a share that adapts until both take as long)")
     m.add_argument("--static-sample-batches", type=int, default=16,
                    help="static: fill the cache with the rows most used in this many training batches "
                         "(0: random rows)")

@@ -8,6 +8,8 @@ same backend: resolving indices to slots must not change a single bit.
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 from hypothesis import settings, strategies as st
@@ -67,7 +69,8 @@ def fresh(seed: int, **kw) -> tuple[np.ndarray, object, LRUCachedEmbeddings]:
 
 @pytest.mark.parametrize("ways,rows,staging,reads", [(1, 40, 1, "mapped"), (4, 40, 2, "staged"),
                                                      (16, 64, 4096, "mapped"), (4, 400, 8, "mapped"),
-                                                     (4, 400, 8, "staged")])
+                                                     (4, 400, 8, "staged"), (4, 40, 2, "split"),
+                                                     (4, 400, 8, "split")])
 @pytest.mark.parametrize("opt", ["sgd", "adagrad"])
 def test_lookups_and_updates_equal_the_uncached_table_bit_for_bit(ways, rows, staging, reads, opt):
     rng = np.random.default_rng(ways * 7 + rows)
@@ -105,14 +108,14 @@ def test_staged_reads_gather_the_rows_on_the_host_and_a_bad_choice_is_refused(mo
     rng = np.random.default_rng(18)
     W0 = rng.standard_normal((N, F)).astype(np.float32)
     m = host_manager()
-    with pytest.raises(ValueError, match=r"t: reads must be one of \('mapped', 'staged'\), got 'dma'"):
+    with pytest.raises(ValueError, match=r"t: reads must be one of \('mapped', 'staged', 'split'\), got 'dma'"):
         make(W0, m, cache_rows=40, ways=4, reads="dma", name="t")
     m.check()
     gathered, reads = [], []
     gather, move = LG.gather_rows, LG.move
     monkeypatch.setattr(LG, "gather_rows", lambda jobs: gathered.append(sum(r.size for _, r, _ in jobs)) or gather(jobs))
-    monkeypatch.setattr(LG, "move", lambda g, *a, down, rows=True: reads.append((down, rows)) or move(g, *a, down=down,
-                                                                                                   rows=rows))
+    monkeypatch.setattr(LG, "move", lambda g, *a, down, rows=True, state=True: reads.append((down, rows and a[0].size))
+                        or move(g, *a, down=down, rows=rows, state=state))
     t, ref = make(W0, m, cache_rows=40, ways=4, reads="staged", name="t"), Reference(W0)
     for step in range(6):
         idx = zipf_batch(rng, 16, 5)
@@ -120,7 +123,7 @@ def test_staged_reads_gather_the_rows_on_the_host_and_a_bad_choice_is_refused(mo
         admitted = int(t.counts[2])
         assert np.array_equal(_host(E.lookup(t, idx)), ref.lookup(idx))
         assert gathered == [int(t.counts[2]) - admitted] and gathered[0] > 0  # every admitted row, gathered
-        assert (False, True) not in reads  # no row read through its mapped address
+        assert not any(down is False and bool(rows) for down, rows in reads)  # no row read through its mapped address
         g = rng.standard_normal((16, F)).astype(np.float32)
         E.pullback(t, g, idx, optimizer=E.SGD(0.1))
         ref.pullback(g, idx, optimizer=E.SGD(0.1))
@@ -129,7 +132,7 @@ def test_staged_reads_gather_the_rows_on_the_host_and_a_bad_choice_is_refused(mo
     t.reads = "mapped"
     gathered.clear(), reads.clear()
     E.lookup(t, (zipf_batch(rng, 16, 5) + 200) % N)
-    assert gathered == [] and (False, True) in reads
+    assert gathered == [] and any(down is False and bool(rows) for down, rows in reads)
     with pytest.raises(ValueError, match="t: reads must be one of"):
         t.reads = "staging"
     assert t.reads == "mapped"
@@ -404,6 +407,60 @@ def test_the_adagrad_accumulator_is_registered_exactly_while_the_table_uses_it()
     assert reg == {}
 
 
+def test_split_reads_share_the_rows_and_rebalance_on_the_measured_rates(monkeypatch):
+    """``reads="split"``: of the rows a placement brings in, the first ``read_share`` are read
+    through their mapped addresses and the rest gathered by CPU threads, each row once, and the
+    two parts' measured rates set the next share."""
+    rng = np.random.default_rng(19)
+    W0 = rng.standard_normal((N, F)).astype(np.float32)
+    m = host_manager()
+    gathered, mapped, rates = [], [], []
+    gather, move, balance = LG.gather_rows, LG.move, LG.balance
+    monkeypatch.setattr(LG, "gather_rows", lambda jobs: gathered.append(sum(r.size for _, r, _ in jobs)) or gather(jobs))
+    monkeypatch.setattr(LG, "balance", lambda tables, a, b: rates.append((a, b)) or balance(tables, a, b))
+
+    def spy(g, slot, *a, down, rows=True, state=True):
+        if not down and rows:
+            mapped.append(int(slot.size))
+        return move(g, slot, *a, down=down, rows=rows, state=state)
+    monkeypatch.setattr(LG, "move", spy)
+    t, ref = make(W0, m, cache_rows=40, ways=4, reads="split", name="t"), Reference(W0)
+    assert t.read_share == 0.5
+    opt, theirs = E.RowwiseAdagrad(0.1), E.RowwiseAdagrad(0.1)
+    for step in range(6):
+        idx = zipf_batch(rng, 16, 5)
+        gathered.clear(), mapped.clear(), rates.clear()
+        admitted, share = int(t.counts[2]), t.read_share
+        assert np.array_equal(_host(E.lookup(t, idx)), ref.lookup(idx))
+        n = int(t.counts[2]) - admitted
+        k = round(share * n)
+        assert n > 0 and sum(mapped) == k and gathered == [n - k]
+        if 0 < k < n:
+            (a, b), = rates
+            assert a > 0 and b > 0 and t.read_share == pytest.approx((share + a / (a + b)) / 2)
+        g = rng.standard_normal((16, F)).astype(np.float32)
+        E.pullback(t, g, idx, optimizer=opt)
+        ref.pullback(g, idx, optimizer=theirs)
+        t.check()
+        assert np.array_equal(contents(t), ref.W)
+    t.writeback()
+    assert np.array_equal(base_rows(t), ref.W) and np.array_equal(opt.state(t), ref.state)
+    t.close()
+    m.check()
+
+
+def test_the_split_share_moves_halfway_to_the_balance_of_the_two_rates_within_bounds():
+    tables = [types.SimpleNamespace(read_share=0.5) for _ in range(3)]
+    LG.balance(tables, 3e6, 1e6)  # the GPU reads three times as fast: it should take 3/4
+    assert [t.read_share for t in tables] == [0.625] * 3
+    for _ in range(20):
+        LG.balance(tables, 1.0, 0.0)
+    assert tables[2].read_share == 0.98
+    for _ in range(20):
+        LG.balance(tables, 0.0, 1.0)
+    assert tables[0].read_share == 0.02
+
+
 class LRUMachine(MirroredCache):
     """The set-associative cache: the shared rules, and flushes, over every size, associativity
     and staging area."""
@@ -411,7 +468,7 @@ class LRUMachine(MirroredCache):
     contents = staticmethod(contents)
 
     @initialize(rows=st.integers(1, 60), ways=st.integers(1, 8), staging=st.integers(1, 6), adagrad=st.booleans(),
-                reads=st.sampled_from(["mapped", "staged"]))
+                reads=st.sampled_from(["mapped", "staged", "split"]))
     def setup(self, rows, ways, staging, adagrad, reads):
         self.rng = np.random.default_rng(rows * 31 + ways)
         W0 = self.rng.standard_normal((120, 4)).astype(np.float32)
@@ -462,7 +519,7 @@ TestLRUMachine.settings = settings(max_examples=40, stateful_step_count=25, dead
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
 @pytest.mark.parametrize("opt,reads", [("sgd", "mapped"), ("adagrad", "mapped"), ("sgd", "staged"),
-                                       ("adagrad", "staged")])
+                                       ("adagrad", "staged"), ("sgd", "split"), ("adagrad", "split")])
 def test_gpu_lru_table_equals_the_uncached_gpu_table_bit_for_bit(opt, reads):
     rng = np.random.default_rng(12)
     W0 = rng.standard_normal((20000, 64)).astype(np.float32)
@@ -542,8 +599,9 @@ def test_a_table_batched_prefetch_makes_each_tables_own_decisions():
     # all three placed at once (a row left out), and other placements where every row found a way
     assert (1, [False]) in runs and any(True in r for _, r in runs)
     assert_same_traces(together, alone)
-    staged, _ = trace_tables(host_manager(), True, reads="staged")
-    assert_same_traces(staged, alone)
+    for reads in ("staged", "split"):
+        other, _ = trace_tables(host_manager(), True, reads=reads)
+        assert_same_traces(other, alone)
 
 
 @pytest.mark.gpu
@@ -554,10 +612,12 @@ def test_the_table_batched_cuda_kernels_make_the_numpy_forms_decisions():
     with gpu_manager() as gm:
         on_gpu, runs = trace_tables(gm, True)
         staged, _ = trace_tables(gm, True, reads="staged")
+        split, _ = trace_tables(gm, True, reads="split")
     on_cpu, runs_cpu = trace_tables(host_manager(), True)
     assert runs == runs_cpu and (1, [False]) in runs
     assert_same_traces(on_gpu, on_cpu)
     assert_same_traces(staged, on_cpu)  # the rows gathered on the host and put into their slots
+    assert_same_traces(split, on_cpu)  # some rows read by the GPU, the others gathered on the host
 
 
 @pytest.mark.gpu

@@ -64,7 +64,7 @@ from .hbm import DeviceArrays
 
 WAYS = 16
 SLOT_BYTES = 8 + 4 + 1  # per slot beside its row: tag (int64), stamp (int32), dirty bit (bool)
-READS = ("mapped", "staged")  # how a placement's rows come in (:func:`.lru_group.read`)
+READS = ("mapped", "staged", "split")  # how a placement's rows come in (:func:`.lru_group.read`)
 
 
 class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
@@ -74,8 +74,10 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
     (the cache holds ``cache_rows`` rounded up to whole sets). Tables are float32.
     ``staging_rows``: the staging area's initial size (it grows on demand). ``reads``: how the
     rows a placement brings in come up, ``"mapped"`` (the GPU reads them through their mapped
-    host addresses) or ``"staged"`` (CPU threads gather them into one block that goes up in one
-    copy; :func:`.lru_group.read`); it may be changed between steps."""
+    host addresses), ``"staged"`` (CPU threads gather them into one block that goes up in one
+    copy) or ``"split"`` (both at once: the GPU reads the share :attr:`read_share` of them, which
+    adapts each placement until both parts take as long; :func:`.lru_group.read`); it may be
+    changed between steps."""
 
     policy = "lru"
     _inflight: threading.Event | None = None  # set when a background prefetch has finished
@@ -86,6 +88,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
                  reads: str = "mapped", name: str = "table") -> None:
         self.name = name
         self.reads = reads  # checked before anything is allocated
+        self.read_share = 0.5  # under split reads, the share of the rows the GPU reads
         self.base_array, self.manager, pin = C.open_base(base, manager, name)
         self._pins = [pin]
         self._hbm = DeviceArrays(self.manager, name)

@@ -19,6 +19,7 @@ table by table with :mod:`.lru_kernels` and are what CI runs, and a GPU test com
 
 from __future__ import annotations
 
+import time
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -185,7 +186,7 @@ class Group:
         self.Rmax = max(t.nvectors() for t in tables)
         self.none = int(self.sbase[-1]) * self.Rmax
         self.host = isinstance(tables[0]._tags, np.ndarray)
-        self.staged = tables[0].reads == "staged"
+        self.reads = tables[0].reads
         self.dev = self.doff = self.dsbase = None
         if not self.host:
             import cupy as cp
@@ -318,15 +319,21 @@ def write_back(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
 
 def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
     """Bring in the first ``count`` rows, ``j``: host row ``hrow[j]`` of table ``tab[j]`` into its
-    slot ``slot[j]`` (grouped by table, host-address order within each). Mapped reads (the
-    default): the GPU reads each row through its mapped host address. Staged reads
-    (``reads="staged"``): CPU threads gather the rows into one page-locked block
+    slot ``slot[j]`` (grouped by table, host-address order within each), as the tables'
+    ``reads`` says. Mapped reads (the default): the GPU reads each row through its mapped host
+    address. Staged reads: CPU threads gather the rows into one page-locked block
     (:func:`~embeddings.kernels.scatter.gather_rows`), which goes up in one copy and is put into
     the slots on the device: no SM waits on PCIe (mapped reads stall the blocks that issue
     them, and slowed the current batch's update kernels beside them 2-3x on the H100), at the
-    price of host threads and one wait for the number of rows. Adagrad's accumulators (4 bytes
-    a row) are read through their mapped addresses either way."""
-    if not g.staged:
+    price of host threads and one wait for the number of rows. Split reads: both at once, the
+    GPU reading the first ``read_share`` of the rows (the first tables' rows) on a side stream
+    while CPU threads gather the rest. The two are bound by different things (the GPU by the
+    reach of its translation of host addresses, about 41,000 random rows a ms over 92 GB on the
+    H100; the CPU threads by the latency of host memory), so each takes its share in less time
+    than either would take for all; each read's two rates set the next share
+    (:func:`balance`). Adagrad's accumulators (4 bytes a row) are read through their mapped
+    addresses either way."""
+    if g.reads == "mapped":
         move(g, slot, tab, hrow, count, down=False)
         return
     move(g, slot, tab, hrow, count, down=False, rows=False)
@@ -334,18 +341,40 @@ def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
     if n == 0:
         return
     be = g.tables[0].backend
+    k = round(g.tables[0].read_share * n) if g.reads == "split" else 0
+    with be.aside(1):  # not behind the copy home on lane 0
+        start = be.clock()
+        move(g, slot[:k], tab[:k], hrow[:k], count, down=False, state=False)
+        end = be.clock()
+    t0 = time.perf_counter()
     F = g.tables[0]._W.shape[1]
-    tabs, rows, block = be.bounce((n,), np.int64), be.bounce((n,), np.int64), be.bounce((n, F), np.float32)
-    be.download(tabs, tab[:n])
-    be.download(rows, hrow[:n])
+    m = n - k
+    tabs, rows, block = be.bounce((m,), np.int64), be.bounce((m,), np.int64), be.bounce((m, F), np.float32)
+    be.download(tabs, tab[k:n])
+    be.download(rows, hrow[k:n])
     be.wait(be.fence())
     cut = np.searchsorted(tabs, np.arange(g.T + 1))
     gather_rows([(tb._base, rows[cut[t]:cut[t + 1]], block[cut[t]:cut[t + 1]])
                  for t, tb in enumerate(g.tables) if cut[t + 1] > cut[t]])
-    up = be.xp.empty((n, F), np.float32)
+    gathered = time.perf_counter() - t0
+    up = be.xp.empty((m, F), np.float32)
     be.upload(up, block)
-    put(g, slot[:n], tab[:n], up)
+    put(g, slot[k:n], tab[k:n], up)
+    be.follow(end)
     be.wait(be.fence())  # the block is read before its page-locked memory can go back to the pool
+    if k and m:
+        balance(g.tables, k / max(be.elapsed(start, end), 1e-9), m / max(gathered, 1e-9))
+
+
+def balance(tables: list, gpu_rate: float, cpu_rate: float) -> None:
+    """Move the tables' ``read_share`` halfway to where a split read's two parts would take as
+    long at the rates (rows a second) the last one measured: the GPU's mapped reads and the CPU
+    threads' gather (from the host's wait for the rows' numbers). Within ``[0.02, 0.98]``, so
+    both rates keep being measured."""
+    target = gpu_rate / (gpu_rate + cpu_rate)
+    share = min(max((tables[0].read_share + target) / 2, 0.02), 0.98)
+    for tb in tables:
+        tb.read_share = share
 
 
 def put(g: Group, slot: Any, tab: Any, block: Any) -> None:
@@ -387,24 +416,28 @@ def gather(g: Group, slot: Any, tab: Any) -> Any:
     return block
 
 
-def move(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, down: bool, rows: bool = True) -> None:
-    """The first ``count`` moves ``j``: rows (when ``rows``) and Adagrad's accumulators between
-    slot ``slot[j]`` of table ``tab[j]`` and its host row ``hrow[j]``, to the host when ``down``."""
+def move(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, down: bool, rows: bool = True,
+         state: bool = True) -> None:
+    """The first ``count`` moves ``j`` (at most ``slot.size``): rows (when ``rows``) and Adagrad's
+    accumulators (when ``state``) between slot ``slot[j]`` of table ``tab[j]`` and its host row
+    ``hrow[j]``, to the host when ``down``."""
     if g.host:
-        c = int(count[0])
+        c = min(int(count[0]), slot.size)
         for t, tb in enumerate(g.tables):
             at = np.flatnonzero(tab[:c] == t)
-            for dev, home in tb._homes(rows=rows):
+            for dev, home in tb._homes(rows=rows, state=state):
                 if down:
                     home[hrow[at]] = dev[slot[at]]
                 else:
                     dev[slot[at]] = home[hrow[at]]
         return
     n = int(slot.size)
+    if n == 0:
+        return
     F = g.tables[0]._W.shape[1]
     vt, FT = LK.vector_kind(F, *(a for tb in g.tables for a in (tb._W, tb._hbase)))
     for name, ft, devf, homef in ((f"tb_move_{vt}", FT, P_W, P_HOME), ("tb_move_v1", 1, P_DSTATE, P_HSTATE)):
-        if (devf == P_DSTATE and all(tb._dstate is None for tb in g.tables)) or (devf == P_W and not rows):
+        if (devf == P_DSTATE and (not state or all(tb._dstate is None for tb in g.tables))) or (devf == P_W and not rows):
             continue
         _launch(name, n * ft, (slot, tab, hrow, count, np.int64(n), np.int32(ft), g.dev, np.int32(devf),
                                np.int32(homef), np.int32(down)), LK.HOST_BLOCKS)
