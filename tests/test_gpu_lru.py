@@ -8,6 +8,7 @@ same backend: resolving indices to slots must not change a single bit.
 
 from __future__ import annotations
 
+import time
 import types
 
 import numpy as np
@@ -447,6 +448,55 @@ def test_split_reads_share_the_rows_and_rebalance_on_the_measured_rates(monkeypa
     assert np.array_equal(base_rows(t), ref.W) and np.array_equal(opt.state(t), ref.state)
     t.close()
     m.check()
+
+
+@pytest.mark.parametrize("reads", ["staged", "split"])
+def test_rows_sent_home_are_scattered_after_the_placements_own_gather(monkeypatch, reads):
+    """The CPU threads write a placement's evicted rows home only once they have gathered its
+    incoming rows (the two compete for the same cores and memory), and a read that fails still
+    lets them land, so nothing waits for them forever."""
+    from embeddings.kernels import scatter as SC
+    rng = np.random.default_rng(20)
+    W0 = rng.standard_normal((N, F)).astype(np.float32)
+    m = host_manager()
+    log = []
+    gather, scatter = LG.gather_rows, SC.scatter_rows
+
+    def slow_gather(jobs):
+        log.append("gather starts")
+        time.sleep(0.05)  # a scatter that did not wait would start in the meantime
+        gather(jobs)
+        log.append("gather ends")
+    monkeypatch.setattr(LG, "gather_rows", slow_gather)
+    monkeypatch.setattr(SC, "scatter_rows", lambda jobs: log.append("scatter") or scatter(jobs))
+    t, ref = make(W0, m, cache_rows=40, ways=4, reads=reads, name="t"), Reference(W0)
+    sent = 0
+    for step in range(6):
+        idx = zipf_batch(rng, 16, 5)
+        log.clear()
+        assert np.array_equal(_host(E.lookup(t, idx)), ref.lookup(idx))
+        LG.drain([t])
+        if "scatter" in log:
+            sent += 1
+            assert log.index("scatter") > log.index("gather ends"), log
+        g = rng.standard_normal((16, F)).astype(np.float32)
+        E.pullback(t, g, idx, optimizer=E.SGD(0.1))
+        ref.pullback(g, idx, optimizer=E.SGD(0.1))
+    assert sent >= 2  # dirty rows went home after some placements
+    t.writeback()
+    assert np.array_equal(base_rows(t), ref.W)
+
+    for step in range(3):  # dirty cached rows again
+        idx = zipf_batch(rng, 16, 5)
+        E.lookup(t, idx)
+        E.pullback(t, np.ones((16, F), np.float32), idx, optimizer=E.SGD(0.1))
+
+    def broken(jobs):
+        raise MemoryError("no memory for the gather")
+    monkeypatch.setattr(LG, "gather_rows", broken)
+    with pytest.raises(MemoryError, match="no memory for the gather"):
+        E.lookup(t, (zipf_batch(rng, 16, 5) + 200) % N)  # misses: dirty rows go home, new rows come in
+    assert t._home is not None and t._home.result(timeout=10) is None  # landed: not waiting for that gather
 
 
 def test_the_split_share_moves_halfway_to_the_balance_of_the_two_rates_within_bounds():

@@ -19,6 +19,7 @@ table by table with :mod:`.lru_kernels` and are what CI runs, and a GPU test com
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, NamedTuple
 
@@ -187,6 +188,9 @@ class Group:
         self.none = int(self.sbase[-1]) * self.Rmax
         self.host = isinstance(tables[0]._tags, np.ndarray)
         self.reads = tables[0].reads
+        # set once this placement's CPU threads have gathered its rows (or it gathers none): the
+        # rows it sends home are scattered only then, not beside the gather on the same cores
+        self.gathered = threading.Event()
         self.dev = self.doff = self.dsbase = None
         if not self.host:
             import cupy as cp
@@ -285,7 +289,9 @@ def write_back(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
     memory now, so that reads queued after this may overwrite their slots; the block goes to
     page-locked host memory in one copy on a second stream, beside those reads, and CPU threads
     write its rows into the host tables in the background (:func:`~embeddings.kernels.scatter.
-    scatter_later`), beside the rest of the training step. Each table keeps that scatter as
+    scatter_later`), beside the rest of the training step, once the placement's own CPU gather
+    (staged and split reads) is done: run together, the two slowed each other (and the
+    placement) 1.5-2x on the H100's host. Each table keeps that scatter as
     ``_home`` until :func:`drain`: whatever reads its host rows drains it first (the next
     placement here, before its reads; every other operation through the table's ``_join``).
     Written one by one over PCIe by the GPU, random rows went no faster than random reads and
@@ -307,6 +313,7 @@ def write_back(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
     def landed() -> None:
         be.wait(fence)
         sources.clear()
+        g.gathered.wait()
 
     def jobs() -> list:
         cut = np.searchsorted(tabs, np.arange(g.T + 1))
@@ -334,11 +341,13 @@ def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
     (:func:`balance`). Adagrad's accumulators (4 bytes a row) are read through their mapped
     addresses either way."""
     if g.reads == "mapped":
+        g.gathered.set()
         move(g, slot, tab, hrow, count, down=False)
         return
     move(g, slot, tab, hrow, count, down=False, rows=False)
     n = int(count[0])
     if n == 0:
+        g.gathered.set()
         return
     be = g.tables[0].backend
     k = round(g.tables[0].read_share * n) if g.reads == "split" else 0
@@ -357,6 +366,7 @@ def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
     gather_rows([(tb._base, rows[cut[t]:cut[t + 1]], block[cut[t]:cut[t + 1]])
                  for t, tb in enumerate(g.tables) if cut[t + 1] > cut[t]])
     gathered = time.perf_counter() - t0
+    g.gathered.set()
     up = be.xp.empty((m, F), np.float32)
     be.upload(up, block)
     put(g, slot[k:n], tab[k:n], up)
@@ -484,7 +494,10 @@ def place(g: Group, idx: Any, xp: Any, counted: bool = True) -> Placement:
     old, wkey, rkey, cnt = moves(g, victim, tid, row)
     out, into = xp.argsort(wkey), xp.argsort(rkey)
     write_back(g, victim[out], tid[out], old[out], cnt[0:1])
-    read(g, victim[into], tid[into], row[into], cnt[1:2])
+    try:
+        read(g, victim[into], tid[into], row[into], cnt[1:2])
+    finally:
+        g.gathered.set()  # the rows going home never wait for a read that failed
     settle(g, row, victim, tid)
     return Placement(slot, sk, order, first, row, victim)
 
