@@ -256,6 +256,30 @@ def test_bounce_blocks_of_changing_sizes_reuse_the_page_locked_pool():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
+def test_device_arrays_come_to_the_host_exactly_whatever_their_size_layout_or_stream():
+    """Small arrays come through a page-locked block after the work queued before them on the
+    current stream (a kernel's result, read at once), large ones as CuPy copies them; strided
+    views and JAX arrays too."""
+    import cupy as cp
+    import jax
+    from embeddings.gpu.backend import SMALL, cuda_backend
+    be = cuda_backend()
+    rng = np.random.default_rng(4)
+    with cp.cuda.Stream(non_blocking=True):
+        for n in (1, 5, 1000, SMALL // 8, SMALL // 8 + 1, 300_000):
+            x = cp.asarray(rng.integers(-1 << 40, 1 << 40, n))
+            y = x * 3 + 1  # queued on this stream just before
+            got = be.to_host(y)
+            assert isinstance(got, np.ndarray) and got.shape == (n,) and np.array_equal(got, x.get() * 3 + 1)
+        m = cp.arange(60, dtype=cp.float32).reshape(6, 10)
+        assert np.array_equal(be.to_host(m[:, ::3]), m.get()[:, ::3])
+        assert np.array_equal(be.to_host(cp.zeros((0, 4), cp.int32)), np.zeros((0, 4), np.int32))
+    j = jax.device_put(np.arange(7, dtype=np.int32), jax.devices("gpu")[0])
+    assert np.array_equal(be.to_host(j), np.arange(7))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
 @pytest.mark.parametrize("F", [8, 12, 64, 256])
 @pytest.mark.parametrize("mode", ["sum", "mean"])
 def test_gpu_lookup_equals_the_cpu_bit_for_bit(F, mode):

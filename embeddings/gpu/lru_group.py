@@ -193,13 +193,13 @@ class Group:
         self.gathered = threading.Event()
         self.dev = self.doff = self.dsbase = None
         if not self.host:
-            import cupy as cp
+            be = tables[0].backend
             rows = [[t.sets, t.ways, t.nvectors(), int(self.sbase[i]), now[i], lock[i],
                      _ptr(t._tags), _ptr(t._stamp), _ptr(t._dirty), _ptr(t._counts), _ptr(t._W), _ptr(t._hbase),
                      _ptr(t._dstate), _ptr(t._hstate_dev if t._dstate is not None else None)]
                     for i, t in enumerate(tables)]
-            self.dev = cp.asarray(np.array(rows, np.int64))
-            self.doff, self.dsbase = cp.asarray(self.off), cp.asarray(self.sbase)
+            self.dev = be.asarray(np.array(rows, np.int64))
+            self.doff, self.dsbase = be.asarray(self.off), be.asarray(self.sbase)
 
     def span(self, t: int) -> slice:
         return slice(int(self.off[t]), int(self.off[t + 1]))
@@ -299,11 +299,11 @@ def write_back(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
     for both. Adagrad's accumulators (4 bytes a row) go home directly. The host waits once here,
     for the number of rows."""
     drain(g.tables)
-    n = int(count[0])
+    be = g.tables[0].backend
+    n = int(be.to_host(count)[0])
     move(g, slot, tab, hrow, count, down=True, rows=False)
     if n == 0:
         return
-    be = g.tables[0].backend
     F = g.tables[0]._W.shape[1]
     block = gather(g, slot[:n], tab[:n])
     host, tabs, rows = be.bounce((n, F), np.float32), be.bounce((n,), np.int64), be.bounce((n,), np.int64)
@@ -345,11 +345,11 @@ def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
         move(g, slot, tab, hrow, count, down=False)
         return
     move(g, slot, tab, hrow, count, down=False, rows=False)
-    n = int(count[0])
+    be = g.tables[0].backend
+    n = int(be.to_host(count)[0])
     if n == 0:
         g.gathered.set()
         return
-    be = g.tables[0].backend
     k = round(g.tables[0].read_share * n) if g.reads == "split" else 0
     with be.aside(1):  # not behind the copy home on lane 0
         start = be.clock()
