@@ -197,7 +197,7 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=20_000_000, help="rows per table")
     p.add_argument("--budget", type=float, default=10.0, help="HBM budget, percent of the tables' bytes")
     p.add_argument("--batch", type=int, default=16384)
-    p.add_argument("--lru-reads", choices=READS, default="mapped",
+    p.add_argument("--lru-reads", choices=READS, default="split",
                    help="how ours brings missed rows up (LRUCachedEmbeddings(reads=))")
     p.add_argument("--lookups", type=int, default=20, help="lookups per bag")
     p.add_argument("--warm-steps", type=int, default=50)

@@ -76,7 +76,7 @@ def cache_rows(nrows: int, cache_fraction: float) -> int:
 def make_tables(sizes: Sequence[int], featuresize: int, policy: str, manager: Manager,
                 cache_fraction: float = 0.1, seed: int = 0, names: Sequence[str] | None = None,
                 init: bool = True, hot: Sequence[np.ndarray] | None = None,
-                arrays: Sequence[CachedArray] | None = None, lru_reads: str = "mapped") -> list[EmbeddingTable]:
+                arrays: Sequence[CachedArray] | None = None, lru_reads: str = "split") -> list[EmbeddingTable]:
     """Create (and initialise) one embedding table per entry of ``sizes`` under ``policy``.
 
     ``manager`` must have the fast device (DRAM) and the slow device (PM) and a policy whose

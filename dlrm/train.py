@@ -109,10 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dram: tables in DRAM; simple: tables in PM; static/dynamic: CachedEmbeddings; "
                         "lru (--device gpu): a set-associative cache in HBM run by the GPU itself")
     m.add_argument("--cache-fraction", type=float, default=0.1, help="static/dynamic/lru: cached rows per table")
-    m.add_argument("--lru-reads", choices=READS, default="mapped",
-                   help="lru: how missed rows come up: mapped (the GPU reads them from host memory), staged "
-                        "(CPU threads gather them into one block copied up at once) or split (both at once, "
-                        "each a share that adapts until both take as long)")
+    m.add_argument("--lru-reads", choices=READS, default="split",
+                   help="lru: how missed rows come up: split (the GPU reads a share from host memory while CPU "
+                        "threads gather the rest, the share adapting until both take as long), mapped (the GPU "
+                        "reads them all) or staged (CPU threads gather them all into one block copied up at once)")
     m.add_argument("--static-sample-batches", type=int, default=16,
                    help="static: fill the cache with the rows most used in this many training batches "
                         "(0: random rows)")

@@ -11,8 +11,8 @@ ways of each index's set, stamp the hits, find the distinct misses, give the k-t
 the k-th least recently used way whose stamp is older than the batches in flight, write the
 evicted dirty rows back (gathered into one block, copied home in one DMA and scattered into the
 host table by CPU threads in the background, which anything reading host rows waits for) and
-read the admitted rows in (over PCIe by the GPU, in host address order, beside that copy), and
-replace each index by its slot. Arrays keep the batch's length and the reads run over a count
+read the admitted rows in (part over PCIe by the GPU, in host address order, beside that copy,
+part gathered by CPU threads and copied up in one DMA), and replace each index by its slot. Arrays keep the batch's length and the reads run over a count
 the device holds; the host waits only for the number of rows going home (:mod:`.lru_group`,
 which places the batches of several tables with one set of kernels). A miss whose set has no
 way left (every way used by a batch in flight) goes to a staging area after the ways: read in
@@ -73,11 +73,11 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
     ``manager``, ``cache_rows`` / ``cache_fraction`` as for :class:`embeddings.CachedEmbeddings`
     (the cache holds ``cache_rows`` rounded up to whole sets). Tables are float32.
     ``staging_rows``: the staging area's initial size (it grows on demand). ``reads``: how the
-    rows a placement brings in come up, ``"mapped"`` (the GPU reads them through their mapped
-    host addresses), ``"staged"`` (CPU threads gather them into one block that goes up in one
-    copy) or ``"split"`` (both at once: the GPU reads the share :attr:`read_share` of them, which
-    adapts each placement until both parts take as long; :func:`.lru_group.read`); it may be
-    changed between steps."""
+    rows a placement brings in come up, ``"split"`` (the default: the GPU reads the share
+    :attr:`read_share` of them through their mapped host addresses while CPU threads gather the
+    rest, the share adapting each placement until both parts take as long), ``"mapped"`` (the
+    GPU reads them all) or ``"staged"`` (CPU threads gather them all into one block that goes up
+    in one copy; :func:`.lru_group.read`); it may be changed between steps."""
 
     policy = "lru"
     _inflight: threading.Event | None = None  # set when a background prefetch has finished
@@ -85,7 +85,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
 
     def __init__(self, base: Any, manager: Manager | None = None, *, cache_rows: int | None = None,
                  cache_fraction: float = 0.1, ways: int = WAYS, staging_rows: int = STAGING_ROWS,
-                 reads: str = "mapped", name: str = "table") -> None:
+                 reads: str = "split", name: str = "table") -> None:
         self.name = name
         self.reads = reads  # checked before anything is allocated
         self.read_share = 0.5  # under split reads, the share of the rows the GPU reads
