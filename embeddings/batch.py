@@ -54,10 +54,12 @@ def _as_index_array(x: object, what: str, name: str) -> np.ndarray:
 
 
 def make_bags(name: str, nvectors: int, indices: object, offsets: object | None = None,
-              weights: object | None = None, mode: str | None = None) -> Bags:
+              weights: object | None = None, mode: str | None = None, known_valid: bool = False) -> Bags:
     """Validate and normalise a lookup batch for a table called ``name`` with ``nvectors`` rows.
 
     ``mode`` None means non-reducing for 1-d indices without offsets and "sum" otherwise.
+    ``known_valid``: the index values are known to be in range (equal to a batch checked
+    before), so their range check, a read of every index, is skipped; all else is checked.
     """
     if mode not in (None, "sum", "mean"):
         raise ValueError(f"{name}: mode must be 'sum' or 'mean', got {mode!r}")
@@ -85,7 +87,7 @@ def make_bags(name: str, nvectors: int, indices: object, offsets: object | None 
     else:
         raise ValueError(f"{name}: indices must be 1-d (with or without offsets) or 2-d, got {idx.shape}")
     flat = idx.reshape(-1)
-    p = out_of_range(flat, nvectors)
+    p = -1 if known_valid else out_of_range(flat, nvectors)
     if p >= 0:
         pos = tuple(int(i) for i in np.unravel_index(p, shape)) if len(shape) > 1 else p
         raise IndexError(f"{name}: index {int(flat[p])} at position {pos} is out of range "

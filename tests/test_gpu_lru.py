@@ -499,6 +499,36 @@ def test_rows_sent_home_are_scattered_after_the_placements_own_gather(monkeypatc
     assert t._home is not None and t._home.result(timeout=10) is None  # landed: not waiting for that gather
 
 
+def test_a_prefetched_batch_is_range_checked_once_and_any_other_batch_at_its_lookup(monkeypatch):
+    """The lookup of indices equal to a prefetched batch skips the range check the prefetch did
+    (a read of every index); any other batch is checked, and a bad index raises naming it."""
+    import embeddings.batch as EB
+    rng = np.random.default_rng(21)
+    W0 = rng.standard_normal((N, F)).astype(np.float32)
+    m = host_manager()
+    t, ref = make(W0, m, cache_rows=120, ways=4, name="t"), Reference(W0)
+    a, b = zipf_batch(rng, 16, 5), zipf_batch(rng, 16, 5)
+    want_a, want_b = ref.lookup(a), ref.lookup(b)
+    checked = []
+    check = EB.out_of_range
+    monkeypatch.setattr(EB, "out_of_range", lambda flat, n: checked.append(flat.size) or check(flat, n))
+    prefetch(t, a.ravel())
+    assert checked == [80]
+    checked.clear()
+    assert np.array_equal(_host(E.lookup(t, a.copy())), want_a)  # equal to the prefetched batch
+    assert checked == []
+    assert np.array_equal(_host(E.lookup(t, b)), want_b)  # not prefetched: checked
+    assert checked == [80]
+    bad = b.copy()
+    bad[3, 2] = N
+    prefetch(t, a.ravel())
+    with pytest.raises(IndexError, match=rf"t: index {N} at position \(3, 2\) is out of range"):
+        E.lookup(t, bad)
+    t.check()
+    t.close()
+    m.check()
+
+
 def test_the_split_share_moves_halfway_to_the_balance_of_the_two_rates_within_bounds():
     tables = [types.SimpleNamespace(read_share=0.5) for _ in range(3)]
     LG.balance(tables, 3e6, 1e6)  # the GPU reads three times as fast: it should take 3/4

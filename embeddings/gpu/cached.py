@@ -90,12 +90,13 @@ class DeviceCache(C.BaseRows):
              writable: bool = False) -> RowSource:
         raise TypeError(f"{self.name}: a GPU cached table has no host row source; use embeddings.lookup / pullback")
 
-    def validate(self, indices: Any, offsets: Any, weights: Any, mode: str | None) -> Bags:
-        """The batch checked as the CPU checks it (device arrays are read back first)."""
+    def validate(self, indices: Any, offsets: Any, weights: Any, mode: str | None, known_valid: bool = False) -> Bags:
+        """The batch checked as the CPU checks it (device arrays are read back first); the
+        indices' range is not checked again when ``known_valid``."""
         self._check_open()
         be = self.backend
         host = [None if x is None else (be.to_host(x) if be.is_device(x) else x) for x in (indices, offsets, weights)]
-        return make_bags(self.name, self.nvectors(), host[0], host[1], host[2], mode)
+        return make_bags(self.name, self.nvectors(), host[0], host[1], host[2], mode, known_valid=known_valid)
 
     def _reused(self, indices: Any, offsets: Any, weights: Any, mode: str | None) -> ops.DeviceBags | None:
         """The last resolution if it was of these very arguments and its slots still hold their rows."""

@@ -82,6 +82,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
     policy = "lru"
     _inflight: threading.Event | None = None  # set when a background prefetch has finished
     _home: Future | None = None  # the rows the last placement sent home, landing (:func:`.lru_group.drain`)
+    _validated: tuple | None = None  # (validated indices, the prefetched placement they equal), for _take_ahead
 
     def __init__(self, base: Any, manager: Manager | None = None, *, cache_rows: int | None = None,
                  cache_fraction: float = 0.1, ways: int = WAYS, staging_rows: int = STAGING_ROWS,
@@ -232,6 +233,19 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
             works.append(_place_work([t for t, _ in group], [f for _, f in group]))
         return works
 
+    def validate(self, indices: Any, offsets: Any, weights: Any, mode: str | None, known_valid: bool = False) -> Bags:
+        """:meth:`.cached.DeviceCache.validate`, without checking the range of host indices equal to
+        a prefetched batch's again (the prefetch checked them; comparing reads them once, as the
+        check would). The batch's lookup then finds its placement without comparing again."""
+        ahead = None
+        if not known_valid and isinstance(indices, np.ndarray) and indices.dtype.kind in "iu":
+            flat = indices.reshape(-1)
+            with self._ahead_lock:
+                ahead = next((a for a in self._ahead if _same(a.flat, flat)), None)
+        bags = super().validate(indices, offsets, weights, mode, known_valid or ahead is not None)
+        self._validated = None if ahead is None else (bags.indices, ahead)
+        return bags
+
     def _take_ahead(self, flat: np.ndarray) -> Ahead | None:
         """The prefetched placement of ``flat``, dropping those prefetched before it. When there is
         none, the placements started since the previous lookup stay (they are the next batches':
@@ -240,8 +254,13 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         lock their ways. A prefetched placement stays valid until it is taken or dropped: later
         placements lock its ways, and whatever drops cached rows (flushes, invalidation) drops
         it too."""
+        known, self._validated = self._validated, None
         with self._ahead_lock:
-            found = next((i for i, a in enumerate(self._ahead) if _same(a.flat, flat)), None)
+            found = None
+            if known is not None and known[0] is flat:  # validate found it (if it is still queued)
+                found = next((i for i, a in enumerate(self._ahead) if a is known[1]), None)
+            if found is None:
+                found = next((i for i, a in enumerate(self._ahead) if _same(a.flat, flat)), None)
             if found is None:
                 self._ahead = collections.deque(a for a in self._ahead if a.since == self._lookups)
             else:

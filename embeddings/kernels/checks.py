@@ -31,7 +31,7 @@ def _block_in_range(idx, lo, hi, n):
     return m < np.uint64(n)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _first_out_of_range_in(idx, lo, hi, n):
     """Smallest p in [lo, hi) with idx[p] outside [0, n), or -1."""
     for b in range(lo, hi, BLOCK):
@@ -44,13 +44,13 @@ def _first_out_of_range_in(idx, lo, hi, n):
     return -1
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def first_out_of_range_serial(idx, n):
     """Smallest position p with idx[p] < 0 or idx[p] >= n, or -1 (on the calling thread)."""
     return _first_out_of_range_in(idx, 0, idx.size, n)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def first_out_of_range(idx, n):
     """:func:`first_out_of_range_serial` over 16 ordered chunks in parallel."""
     L = idx.size
@@ -64,7 +64,7 @@ def first_out_of_range(idx, n):
     return -1
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def first_bad_offset(offsets):
     """Smallest b with offsets[b+1] < offsets[b] (1-d, contiguous), or -1: a branch-free OR over
     blocks of raw views (it vectorises; the early-exit loop took 6.8 us for 16385 offsets),
@@ -84,7 +84,7 @@ def first_bad_offset(offsets):
     return -1
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def is_range(offsets):
     """Whether offsets[b] == b for every b (1-d, contiguous): a branch-free OR that vectorises
     (validated CSR offsets of n indices in n bags are this exactly when no bag is empty)."""
@@ -121,7 +121,7 @@ def _rows_finite(x, lo, hi):
     return True
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def first_nonfinite_row_in(x, lo, hi):
     """Smallest row in [lo, hi) holding a NaN or inf, or -1."""
     step = max(1, BLOCK // max(x.shape[1], 1))
@@ -135,13 +135,13 @@ def first_nonfinite_row_in(x, lo, hi):
     return -1
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def first_nonfinite_row_serial(x):
     """Smallest row of 2-d ``x`` holding a NaN or inf, or -1 (on the calling thread)."""
     return first_nonfinite_row_in(x, 0, x.shape[0])
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def first_nonfinite_row(x):
     """:func:`first_nonfinite_row_serial` over 16 ordered chunks of rows in parallel."""
     n = x.shape[0]
