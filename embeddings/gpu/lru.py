@@ -320,8 +320,10 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
     def _sync_counts(self) -> bool:
         """Wait for the last placement's counts (rows admitted, written back, whether a row was
         left out), account its moves to the manager and say whether some row found no way."""
-        self.backend.download(self._mail, self._counts)
-        self.backend.wait(self.backend.fence())
+        return _sync_counts([self])[0]
+
+    def _account_counts(self) -> bool:
+        """:meth:`_sync_counts` once the counts are in :attr:`_mail`."""
         seen = np.array(self._mail[2:4])
         admitted, back = (int(d) for d in seen - self._seen)
         self._seen = seen
@@ -576,6 +578,15 @@ class Ahead(NamedTuple):
     since: int
 
 
+def _sync_counts(tables: Sequence[LRUCachedEmbeddings]) -> list[bool]:
+    """:meth:`LRUCachedEmbeddings._sync_counts` of tables on one backend, with one wait for all."""
+    be = tables[0].backend
+    for t in tables:
+        be.download(t._mail, t._counts)
+    be.wait(be.fence())
+    return [t._account_counts() for t in tables]
+
+
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
     """Equal index arrays; different batches usually differ in their first entries, which are
     compared first (a full comparison reads both arrays)."""
@@ -612,7 +623,7 @@ def _place_work(tables: list[LRUCachedEmbeddings], flats: list[np.ndarray]) -> C
             # up in the batches' own type (int32: half the bytes, and no widening on the host), widened there
             idx = be.upload_concat(flats, np.result_type(*flats)).astype(np.int64, copy=False)
             slots = LG.slots(g, LG.place(g, idx, xp))
-            placed = [not t._sync_counts() for t in tables]
+            placed = [not left_out for left_out in _sync_counts(tables)]
             for i, t in enumerate(tables):
                 with t._ahead_lock:
                     t._ahead.append(Ahead(flats[i], slots[g.span(i)], now[i], placed[i], since[i]))
