@@ -27,20 +27,29 @@ def _managers(tree: Any, found: set) -> None:
             _managers(item, found)
 
 
+def _on_host(x: CachedArray, write: bool) -> np.ndarray:
+    """NumPy runs on the host: a GPU-resident input ``x`` (or a pinned view of it) comes over as
+    a copy; a GPU-resident output is refused."""
+    if write:
+        from .errors import StatusError
+        raise StatusError("a GPU-resident CachedArray cannot be a NumPy out= argument; write it through "
+                          "writable(x) (a CuPy view) or cachedarrays.assign, or evict it to a host device")
+    return np.asarray(x)
+
+
 def _pin(tree: Any, stack: ExitStack, write: bool) -> Any:
     if isinstance(tree, CachedArray):
-        if tree._on_gpu():  # NumPy runs on the host: inputs come over as copies
-            if write:
-                from .errors import StatusError
-                raise StatusError("a GPU-resident CachedArray cannot be a NumPy out= argument; write it through "
-                                  "writable(x) (a CuPy view) or cachedarrays.assign, or evict it to a host device")
-            return np.asarray(tree)
+        if tree._on_gpu():
+            return _on_host(tree, write)
         if tree.status is Status.ReadWrite or (tree.status is Status.ReadOnly and not write):
             return tree.array
         if tree.status is Status.ReadOnly:
             from .errors import StatusError
             raise StatusError("cannot pass a ReadOnly view as an output; use writable(x)")
-        return stack.enter_context(writable(tree) if write else readable(tree))
+        pinned = writable(tree) if write else readable(tree)
+        view = stack.enter_context(pinned)
+        # a policy that inserts on use may have moved it to a GPU as it was pinned
+        return view if isinstance(view, np.ndarray) else _on_host(pinned, write)
     if isinstance(tree, list):
         return [_pin(t, stack, write) for t in tree]
     if isinstance(tree, tuple):

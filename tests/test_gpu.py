@@ -134,6 +134,23 @@ class GPUMachine(ThreeLevelMachine):
             assert same(a.get() if hasattr(a, "get") else np.asarray(a), mirror)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_numpy_gets_host_copies_of_an_array_that_its_own_pin_moves_to_the_gpu(dtype):
+    """TwoLevelCachePolicy inserts an array into the GPU when it is used: an array on a host level
+    that NumPy pins moves there as it is pinned. The call still gets host arrays, also when the
+    same array is both operands (found by the GPU state machine below: a CuPy view beside a
+    host copy)."""
+    with gpu_manager(fast="1MiB", policy=ca.TwoLevelCachePolicy()) as m:
+        want = np.arange(10, dtype=dtype)
+        x = CachedArray(want.copy(), m)
+        big = CachedArray(np.zeros(1 << 18, np.float32), m)  # the whole GPU level: x goes to a host level
+        assert big.device == "GPU" and x.device != "GPU"
+        y = x + x
+        assert isinstance(y, CachedArray) and same(np.asarray(y), want + want)
+        assert same(np.asarray(x * 3), want * 3)
+        m.check()
+
+
 def _gpu_machine(factory, workers):
     cls = type(f"GPU_{factory.__name__}_{workers}", (GPUMachine,),
                {"policy_factory": staticmethod(factory), "workers": workers})
