@@ -427,6 +427,10 @@ def test_split_reads_share_the_rows_and_rebalance_on_the_measured_rates(monkeypa
     monkeypatch.setattr(LG, "move", spy)
     t, ref = make(W0, m, cache_rows=40, ways=4, reads="split", name="t"), Reference(W0)
     assert t.read_share == 0.5
+    for bad in (1.5, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="t: read_share must be between 0 and 1"):
+            t.read_share = bad
+    assert t.read_share == 0.5
     opt, theirs = E.RowwiseAdagrad(0.1), E.RowwiseAdagrad(0.1)
     for step in range(6):
         idx = zipf_batch(rng, 16, 5)
@@ -525,6 +529,29 @@ def test_a_prefetched_batch_is_range_checked_once_and_any_other_batch_at_its_loo
     with pytest.raises(IndexError, match=rf"t: index {N} at position \(3, 2\) is out of range"):
         E.lookup(t, bad)
     t.check()
+    t.close()
+    m.check()
+
+
+@pytest.mark.parametrize("share", [0.0, 1.0])
+def test_a_split_read_with_an_empty_part_brings_every_row_and_keeps_its_share(share):
+    """A share of 0 (CPU threads gather every row) or 1 (the GPU reads them all): every row still
+    comes in, and with one part empty no rate is measured, so the share stays."""
+    rng = np.random.default_rng(22)
+    W0 = rng.standard_normal((N, F)).astype(np.float32)
+    m = host_manager()
+    t, ref = make(W0, m, cache_rows=40, ways=4, reads="split", name="t"), Reference(W0)
+    t.read_share = share
+    for step in range(4):
+        idx = zipf_batch(rng, 16, 5)
+        assert np.array_equal(_host(E.lookup(t, idx)), ref.lookup(idx))
+        g = rng.standard_normal((16, F)).astype(np.float32)
+        E.pullback(t, g, idx, optimizer=E.SGD(0.1))
+        ref.pullback(g, idx, optimizer=E.SGD(0.1))
+        t.check()
+    assert t.read_share == share
+    t.writeback()
+    assert np.array_equal(base_rows(t), ref.W)
     t.close()
     m.check()
 

@@ -89,7 +89,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
                  reads: str = "split", name: str = "table") -> None:
         self.name = name
         self.reads = reads  # checked before anything is allocated
-        self.read_share = 0.5  # under split reads, the share of the rows the GPU reads
+        self.read_share = 0.5
         self.base_array, self.manager, pin = C.open_base(base, manager, name)
         self._pins = [pin]
         self._hbm = DeviceArrays(self.manager, name)
@@ -137,6 +137,20 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         self.prefetch_fallbacks = 0  # prefetched batches whose lookup had to place them itself
         self._fallbacks_in_a_row = 0
         self._hstate_dev = None  # the optimizer's host accumulator as the device sees it
+
+    @property
+    def read_share(self) -> float:
+        """Under split reads, the share of a placement's rows that the GPU reads (the rest CPU
+        threads gather); each placement moves it toward where both parts take as long
+        (:func:`.lru_group.balance`). A value set here is where that starts."""
+        return self._read_share
+
+    @read_share.setter
+    def read_share(self, value: float) -> None:
+        share = float(value)
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"{self.name}: read_share must be between 0 and 1, got {value!r}")
+        self._read_share = share
 
     @property
     def reads(self) -> str:
