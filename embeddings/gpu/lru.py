@@ -12,9 +12,10 @@ the k-th least recently used way whose stamp is older than the batches in flight
 evicted dirty rows back (gathered into one block, copied home in one DMA and scattered into the
 host table by CPU threads in the background, which anything reading host rows waits for) and
 read the admitted rows in (part over PCIe by the GPU, in host address order, beside that copy,
-part gathered by CPU threads and copied up in one DMA), and replace each index by its slot. Arrays keep the batch's length and the reads run over a count
-the device holds; the host waits only for the number of rows going home (:mod:`.lru_group`,
-which places the batches of several tables with one set of kernels). A miss whose set has no
+part gathered by CPU threads and copied up in one DMA), and replace each index by its slot.
+Arrays keep the batch's length and the GPU's reads run over a count the device holds; the host
+waits only for the numbers of rows going home and coming in (:mod:`.lru_group`, which places
+the batches of several tables with one set of kernels). A miss whose set has no
 way left (every way used by a batch in flight) goes to a staging area after the ways: read in
 the same way, written back by the GPU through the mapped address right after its update. A row's updates
 keep batch order on whatever slot holds it, so results equal the uncached table's bit for bit.

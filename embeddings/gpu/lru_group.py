@@ -7,9 +7,9 @@ tables' batches are placed together, as FBGEMM's table-batched embeddings do: on
 the concatenated indices, one sort of keys that number the sets of all tables one after the
 other (so each table's misses stay grouped by set, the tables one after the other), one victim
 selection, one write-back (:func:`write_back`: one block, one copy, CPU threads at home in the
-background), one read of the rows that move (:func:`read`: a kernel through their mapped host
-addresses, or CPU threads gathering them into one block that goes up in one copy), one settle. Each kernel finds its
-table's parameters and arrays (tags, stamps, dirty bits, rows, the mapped base table, Adagrad's
+background), one read of the rows that move (:func:`read`: by default a kernel through the
+mapped host addresses of a share of them beside CPU threads gathering the rest into one block
+that goes up in one copy), one settle. Each kernel finds its table's parameters and arrays (tags, stamps, dirty bits, rows, the mapped base table, Adagrad's
 accumulators) in a small table of pointers, :attr:`Group.dev`.
 
 The decisions are the per-table ones: a row's set, its rank among its set's misses, the way it
@@ -327,14 +327,14 @@ def write_back(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
 def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
     """Bring in the first ``count`` rows, ``j``: host row ``hrow[j]`` of table ``tab[j]`` into its
     slot ``slot[j]`` (grouped by table, host-address order within each), as the tables'
-    ``reads`` says. Mapped reads (the default): the GPU reads each row through its mapped host
-    address. Staged reads: CPU threads gather the rows into one page-locked block
+    ``reads`` says. Mapped reads: the GPU reads each row through its mapped host address.
+    Staged reads: CPU threads gather the rows into one page-locked block
     (:func:`~embeddings.kernels.scatter.gather_rows`), which goes up in one copy and is put into
     the slots on the device: no SM waits on PCIe (mapped reads stall the blocks that issue
     them, and slowed the current batch's update kernels beside them 2-3x on the H100), at the
-    price of host threads and one wait for the number of rows. Split reads: both at once, the
-    GPU reading the first ``read_share`` of the rows (the first tables' rows) on a side stream
-    while CPU threads gather the rest. The two are bound by different things (the GPU by the
+    price of host threads and one wait for the number of rows. Split reads (the default): both
+    at once, the GPU reading the first ``read_share`` of the rows (the first tables' rows) on a
+    side stream while CPU threads gather the rest. The two are bound by different things (the GPU by the
     reach of its translation of host addresses, about 41,000 random rows a ms over 92 GB on the
     H100; the CPU threads by the latency of host memory), so each takes its share in less time
     than either would take for all; each read's two rates set the next share
@@ -480,8 +480,8 @@ def place(g: Group, idx: Any, xp: Any, counted: bool = True) -> Placement:
     written home if dirty (:func:`write_back`) and the new rows read in, in host-address order
     over the rows that move only. A row that finds no way keeps victim -1 and sets its table's
     left-out flag (``_counts[4]``). Hits and misses are counted when ``counted``. The host
-    waits once, for the number of rows going home; they land in the host tables in the
-    background (:func:`drain`)."""
+    waits for the number of rows going home (and, unless reads are mapped, of rows coming in);
+    the rows going home land in the host tables in the background (:func:`drain`)."""
     for tb in g.tables:
         tb._counts[4] = 0
     slot, key = probe(g, idx)
