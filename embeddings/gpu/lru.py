@@ -248,7 +248,8 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
             works.append(_place_work([t for t, _ in group], [f for _, f in group]))
         return works
 
-    def validate(self, indices: Any, offsets: Any, weights: Any, mode: str | None, known_valid: bool = False) -> Bags:
+    def validate(self, indices: Any, offsets: Any, weights: Any, mode: str | None,
+                 known_valid: bool = False) -> Bags:
         """:meth:`.cached.DeviceCache.validate`, without checking the range of host indices equal to
         a prefetched batch's again (the prefetch checked them; comparing reads them once, as the
         check would). The batch's lookup then finds its placement without comparing again."""

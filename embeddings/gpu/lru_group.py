@@ -9,8 +9,9 @@ other (so each table's misses stay grouped by set, the tables one after the othe
 selection, one write-back (:func:`write_back`: one block, one copy, CPU threads at home in the
 background), one read of the rows that move (:func:`read`: by default a kernel through the
 mapped host addresses of a share of them beside CPU threads gathering the rest into one block
-that goes up in one copy), one settle. Each kernel finds its table's parameters and arrays (tags, stamps, dirty bits, rows, the mapped base table, Adagrad's
-accumulators) in a small table of pointers, :attr:`Group.dev`.
+that goes up in one copy), one settle. Each kernel finds its table's parameters and arrays
+(tags, stamps, dirty bits, rows, the mapped base table, Adagrad's accumulators) in a small table
+of pointers, :attr:`Group.dev`.
 
 The decisions are the per-table ones: a row's set, its rank among its set's misses, the way it
 takes, what goes home, all as if each table had been placed alone; the numpy forms below place
@@ -188,7 +189,7 @@ class Group:
         self.none = int(self.sbase[-1]) * self.Rmax
         self.host = isinstance(tables[0]._tags, np.ndarray)
         self.reads = tables[0].reads
-        # set once this placement's CPU threads have gathered its rows (or it gathers none): the
+        # set once this placement's CPU threads have gathered its rows (or its read is over): the
         # rows it sends home are scattered only then, not beside the gather on the same cores
         self.gathered = threading.Event()
         self.dev = self.doff = self.dsbase = None
@@ -315,11 +316,7 @@ def write_back(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
         sources.clear()
         g.gathered.wait()
 
-    def jobs() -> list:
-        cut = np.searchsorted(tabs, np.arange(g.T + 1))
-        return [(tb._base, rows[cut[t]:cut[t + 1]], host[cut[t]:cut[t + 1]])
-                for t, tb in enumerate(g.tables) if cut[t + 1] > cut[t]]
-    home = scatter_later(landed, jobs)
+    home = scatter_later(landed, lambda: _per_table(g, tabs, rows, host))
     for tb in g.tables:
         tb._home = home
 
@@ -334,21 +331,19 @@ def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
     them, and slowed the current batch's update kernels beside them 2-3x on the H100), at the
     price of host threads and one wait for the number of rows. Split reads (the default): both
     at once, the GPU reading the first ``read_share`` of the rows (the first tables' rows) on a
-    side stream while CPU threads gather the rest. The two are bound by different things (the GPU by the
-    reach of its translation of host addresses, about 41,000 random rows a ms over 92 GB on the
-    H100; the CPU threads by the latency of host memory), so each takes its share in less time
-    than either would take for all; each read's two rates set the next share
+    side stream while CPU threads gather the rest. The two are bound by different things (the
+    GPU by the reach of its translation of host addresses, about 41,000 random rows a ms over
+    92 GB on the H100; the CPU threads by the latency of host memory), so each takes its share
+    in less time than either would take for all; each read's two rates set the next share
     (:func:`balance`). Adagrad's accumulators (4 bytes a row) are read through their mapped
     addresses either way."""
     if g.reads == "mapped":
-        g.gathered.set()
         move(g, slot, tab, hrow, count, down=False)
         return
     move(g, slot, tab, hrow, count, down=False, rows=False)
     be = g.tables[0].backend
     n = int(be.to_host(count)[0])
     if n == 0:
-        g.gathered.set()
         return
     k = round(g.tables[0].read_share * n) if g.reads == "split" else 0
     with be.aside(1):  # not behind the copy home on lane 0
@@ -362,11 +357,9 @@ def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
     be.download(tabs, tab[k:n])
     be.download(rows, hrow[k:n])
     be.wait(be.fence())
-    cut = np.searchsorted(tabs, np.arange(g.T + 1))
-    gather_rows([(tb._base, rows[cut[t]:cut[t + 1]], block[cut[t]:cut[t + 1]])
-                 for t, tb in enumerate(g.tables) if cut[t + 1] > cut[t]])
+    gather_rows(_per_table(g, tabs, rows, block))
     gathered = time.perf_counter() - t0
-    g.gathered.set()
+    g.gathered.set()  # the rows going home may go now, not when the whole read is done
     up = be.xp.empty((m, F), np.float32)
     be.upload(up, block)
     put(g, slot[k:n], tab[k:n], up)
@@ -374,6 +367,14 @@ def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
     be.wait(be.fence())  # the block is read before its page-locked memory can go back to the pool
     if k and m:
         balance(g.tables, k / max(be.elapsed(start, end), 1e-9), m / max(gathered, 1e-9))
+
+
+def _per_table(g: Group, tabs: np.ndarray, rows: np.ndarray, block: np.ndarray) -> list:
+    """The ``(host table, its rows, their part of the block)`` jobs of rows ``rows[j]`` of tables
+    ``tabs[j]`` (grouped by table) on the host, for the CPU threads that move them."""
+    cut = np.searchsorted(tabs, np.arange(g.T + 1))
+    return [(tb._base, rows[cut[t]:cut[t + 1]], block[cut[t]:cut[t + 1]])
+            for t, tb in enumerate(g.tables) if cut[t + 1] > cut[t]]
 
 
 def balance(tables: list, gpu_rate: float, cpu_rate: float) -> None:
@@ -447,7 +448,8 @@ def move(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, down: bool, rows:
     F = g.tables[0]._W.shape[1]
     vt, FT = LK.vector_kind(F, *(a for tb in g.tables for a in (tb._W, tb._hbase)))
     for name, ft, devf, homef in ((f"tb_move_{vt}", FT, P_W, P_HOME), ("tb_move_v1", 1, P_DSTATE, P_HSTATE)):
-        if (devf == P_DSTATE and (not state or all(tb._dstate is None for tb in g.tables))) or (devf == P_W and not rows):
+        skip = not rows if devf == P_W else not state or all(tb._dstate is None for tb in g.tables)
+        if skip:
             continue
         _launch(name, n * ft, (slot, tab, hrow, count, np.int64(n), np.int32(ft), g.dev, np.int32(devf),
                                np.int32(homef), np.int32(down)), LK.HOST_BLOCKS)
@@ -497,7 +499,7 @@ def place(g: Group, idx: Any, xp: Any, counted: bool = True) -> Placement:
     try:
         read(g, victim[into], tid[into], row[into], cnt[1:2])
     finally:
-        g.gathered.set()  # the rows going home never wait for a read that failed
+        g.gathered.set()  # the rows going home wait no longer than the read (one that gathers nothing, or fails)
     settle(g, row, victim, tid)
     return Placement(slot, sk, order, first, row, victim)
 

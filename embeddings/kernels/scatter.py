@@ -3,8 +3,8 @@ src[i]`` (scatter), ``block[i] = table[rows[i]]`` (gather), now or in the backgr
 
 The GPU ``lru`` cache sends the rows it evicts home as one contiguous block (one DMA into
 page-locked memory) and this scatters them into the host tables, in the background so that
-the training step does not wait for it (:func:`scatter_later`); with staged reads it gathers
-the rows a placement brings in into one page-locked block that goes up in one DMA
+the training step does not wait for it (:func:`scatter_later`); with staged and split reads it
+gathers the rows a placement brings in into one page-locked block that goes up in one DMA
 (:func:`gather_rows`). Each piece is a numba kernel that runs without the GIL, on a pool of
 Python threads rather than numba's parallel layer, so that it can run beside numba kernels of
 the main thread whatever threading layer numba picked.
