@@ -432,6 +432,7 @@ def test_split_reads_share_the_rows_and_rebalance_on_the_measured_rates(monkeypa
             t.read_share = bad
     assert t.read_share == 0.5
     opt, theirs = E.RowwiseAdagrad(0.1), E.RowwiseAdagrad(0.1)
+    rebalanced = 0
     for step in range(6):
         idx = zipf_batch(rng, 16, 5)
         gathered.clear(), mapped.clear(), rates.clear()
@@ -443,11 +444,15 @@ def test_split_reads_share_the_rows_and_rebalance_on_the_measured_rates(monkeypa
         if 0 < k < n:
             (a, b), = rates
             assert a > 0 and b > 0 and t.read_share == pytest.approx((share + a / (a + b)) / 2)
+            rebalanced += 1
+        else:
+            assert rates == [] and t.read_share == share  # one part empty: nothing measured
         g = rng.standard_normal((16, F)).astype(np.float32)
         E.pullback(t, g, idx, optimizer=opt)
         ref.pullback(g, idx, optimizer=theirs)
         t.check()
         assert np.array_equal(contents(t), ref.W)
+    assert rebalanced >= 3  # both parts ran, and their rates moved the share, in most placements
     t.writeback()
     assert np.array_equal(base_rows(t), ref.W) and np.array_equal(opt.state(t), ref.state)
     t.close()
