@@ -28,6 +28,13 @@ floor: the larger direction's bytes over the measured link bandwidth (the two di
 below which no schedule of these copies can bring the step.  Where a target is above what that
 floor allows (whole-jit time / max(whole-jit, floor)), the target line says so.
 
+Below each ratio's table, the bound no policy can beat (:func:`bound_seconds`): every byte live at
+the iteration's high-water mark is read again later in the step, so all but the budget's worth must
+come up the link each step, whatever the policy decides.  It is printed for the model as it runs and
+for the same model recomputing batch norm + ReLU outputs in backward (``caLMP, recompute`` rows,
+MemFerry's trade of compute for traffic; ``--no-recompute`` leaves them out), whose footprint is
+smaller.  A target above the first bound cannot be met by any policy over these objects.
+
 Targets: at 2x the budget, cap or caLMP >= 0.9x whole-jit's speed; at 4x >= 0.75x; at both, cap and
 caLMP faster than remat; ours all in HBM >= 0.9x whole-jit; whole-jit step >= 100 ms.  Rows print as
 they finish and ``results/gpu_cnn.json`` is rewritten after each model and ratio, so a run cut short
@@ -55,6 +62,7 @@ MODELS = {"resnet": dict(family="resnet", depth=50, width=32, image=112),
 QUICK_MODELS = {"resnet": dict(family="resnet", depth=14, width=8, image=32),
                 "densenet": dict(family="densenet", depth=13, width=8, image=32)}
 OUR_MODES = ("caLMP", "cap", "2lm")
+RECOMPUTE = ", recompute"  # the rows of the model that recomputes batch norm + ReLU outputs (``--recompute``)
 TARGET_AT = {2: 0.9, 4: 0.75}
 TARGET_HBM = 0.9
 TARGET_MS = 100
@@ -182,6 +190,21 @@ def floor_seconds(r: dict, link: float) -> float:
     return max(r.get("to_slow", 0), r.get("to_fast", 0)) / link if link == link and link > 0 else 0.0
 
 
+def bound_seconds(footprint: int, budget: int, link: float) -> float:
+    """The step time that no policy over a program's objects can beat at ``budget``: at the
+    iteration's high-water mark, ``footprint`` bytes are live and each of them is read again later
+    in the step (saved activations in backward, weights in backward and the update, momenta in the
+    update); at most ``budget`` of them are in HBM, so at least ``footprint - budget`` must come up
+    the link before their next use, every step. Only a program with fewer live bytes (recomputing
+    instead of keeping) moves less."""
+    return max(0, footprint - budget) / link if link == link and link > 0 else 0.0
+
+
+def bound_speed(base: float, footprint: int, budget: int, link: float) -> float:
+    """The best speed against whole-jit (``base`` seconds a step) that :func:`bound_seconds` allows."""
+    return base / max(base, bound_seconds(footprint, budget, link))
+
+
 def table_row(name: str, r: dict, base: float | None, link: float) -> list:
     if "error" in r:
         return [name, "error: " + r["error"][:100]] + [""] * (len(COLUMNS) - 2)
@@ -197,8 +220,11 @@ def table_row(name: str, r: dict, base: float | None, link: float) -> list:
             f"{1e3 * r.get('exposed', 0):.1f}", pct(r.get("coverage")), pct(r.get("accuracy")), mem]
 
 
-def ratio_targets(name: str, ratio: int, rows: dict, base: float | None, link: float) -> dict:
-    """PASS/MISS lines of one model at one ratio, each naming the PCIe floor where it caps the target."""
+def ratio_targets(name: str, ratio: int, rows: dict, base: float | None, link: float,
+                  bound: float | None = None) -> dict:
+    """PASS/MISS lines of one model at one ratio, each naming the PCIe floor where it caps the target:
+    the floor of the best row's own copies, and ``bound`` (:func:`bound_speed` of the program the
+    targets run) where that is lower than the target."""
     def speed(row):
         r = rows.get(row, {})
         return base / r["seconds"] if base and "seconds" in r else 0.0
@@ -207,10 +233,13 @@ def ratio_targets(name: str, ratio: int, rows: dict, base: float | None, link: f
     want = TARGET_AT.get(ratio, 0.75)
     best = max(("cap", "caLMP"), key=speed)
     line = f"{name} {ratio}x: cap or caLMP >= {want}x whole-jit speed (best {best} {speed(best):.2f}x)"
-    if base and "seconds" in rows.get(best, {}):
-        bound = base / max(base, floor_seconds(rows[best], link))
-        if bound < want:
-            line += (f"; the PCIe floor of {best}'s copies caps it at {bound:.2f}x (a floor this schedule "
+    if bound is not None and bound < want:
+        line += (f"; no policy over this program's objects can pass it: their live bytes cap it at {bound:.2f}x "
+                 f"(only recomputing moves less)")
+    elif base and "seconds" in rows.get(best, {}):
+        floor = base / max(base, floor_seconds(rows[best], link))
+        if floor < want:
+            line += (f"; the PCIe floor of {best}'s copies caps it at {floor:.2f}x (a floor this schedule "
                      f"moves; a schedule that moves less could do better)")
     out[line] = speed(best) >= want
     remat = speed("remat")
@@ -229,11 +258,14 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1,
                    help="untimed first steps (cap learns the order in the first) (default 1)")
     p.add_argument("--pm-dir", default=None, help="directory for a PM file, if host memory is short")
+    p.add_argument("--no-recompute", dest="recompute", action="store_false",
+                   help="leave out the caLMP rows of the model that recomputes batch norm + ReLU outputs")
     p.add_argument("--device", choices=("gpu", "cpu"), default="gpu",
                    help="cpu: DRAM stands for HBM, a smoke test of this script without a GPU (default gpu)")
     args = p.parse_args(argv)
     from cachedarrays import parse_size
     from cachedarrays.devices import gpu
+    from cnn.trainer import measure_footprint
     if args.device == "gpu" and not gpu.available():
         print("error: this benchmark needs a CUDA GPU with CuPy and the JAX CUDA plugin", file=sys.stderr)
         return 2
@@ -269,13 +301,20 @@ def main(argv=None) -> int:
             print("  " + " | ".join(table_row(row, r, base, link)) + extra, flush=True)
 
         budgets = {ratio: -(-fp.footprint // ratio // 4096) * 4096 for ratio in ratios}
+        rc = fp_rc = None
+        if args.recompute:  # the same model recomputing batch norm + ReLU outputs in backward: fewer live bytes
+            rc = dataclasses.replace(cfg, recompute=True)
+            fp_rc = measure_footprint(rc, pm_dir=args.pm_dir)
+            print(f"  with recompute: footprint {fp_rc.footprint / GiB:.2f} GiB", flush=True)
         run = {"model": name, "config": dataclasses.asdict(cfg), "footprint": dataclasses.asdict(fp),
+               "recompute_footprint": None if fp_rc is None else dataclasses.asdict(fp_rc),
                "rows": rows, "budgets": budgets}
         results["runs"].append(run)
 
-        def ours(mode: str, ratio: int) -> None:
-            measure(f"{mode} {ratio}x", lambda: run_ours(cfg, fp, mode, budgets[ratio], args.steps, args.warmup,
-                                                        args.pm_dir))
+        def ours(mode: str, ratio: int, recompute: bool = False) -> None:
+            c, f = (rc, fp_rc) if recompute else (cfg, fp)
+            measure(f"{mode}{RECOMPUTE if recompute else ''} {ratio}x",
+                    lambda: run_ours(c, f, mode, budgets[ratio], args.steps, args.warmup, args.pm_dir))
             write_json(args.out, {**results, "targets": targets})
 
         # the rows the targets need first, so that a run cut short still has them; ours all in HBM
@@ -289,6 +328,8 @@ def main(argv=None) -> int:
         measure("remat", lambda: run_jax(cfg, "remat", args.steps, args.warmup))
         for ratio in ratios:
             ours("2lm", ratio)
+            if rc is not None:
+                ours("caLMP", ratio, recompute=True)
         measure("offload", lambda: run_jax(cfg, "offload", args.steps, args.warmup))
         base = rows["whole-jit"].get("seconds")
         hbm = rows["ours, HBM"]
@@ -307,9 +348,25 @@ def main(argv=None) -> int:
         for ratio in ratios:
             table = [table_row(row, rows[row], base, link) for row in ("whole-jit", "ours, HBM", "remat", "offload")]
             table += [table_row(mode, rows[f"{mode} {ratio}x"], base, link) for mode in OUR_MODES]
+            if rc is not None:
+                table.append(table_row(f"caLMP{RECOMPUTE}", rows[f"caLMP{RECOMPUTE} {ratio}x"], base, link))
             print_table(f"{label}, HBM budget {budgets[ratio] / GiB:.2f} GiB ({ratio}x)", COLUMNS, table)
+            bounds = {"this program": fp} | ({} if fp_rc is None else {"with recompute": fp_rc})
+            run.setdefault("bounds", {})[ratio] = {}
+            for what, f in bounds.items():
+                need = max(0, f.footprint - budgets[ratio])
+                known = bool(base) and link == link  # a GPU run: the link was measured
+                run["bounds"][ratio][what] = {
+                    "bytes_up": need, "seconds": bound_seconds(f.footprint, budgets[ratio], link) if known else None,
+                    "speed": bound_speed(base, f.footprint, budgets[ratio], link) if known else None}
+                if known:
+                    print(f"  no policy beats, {what}: {f.footprint / GiB:.2f} GiB live at the high-water mark, "
+                          f"{need / GiB:.2f} GiB of it up the link every step = "
+                          f"{1e3 * bound_seconds(f.footprint, budgets[ratio], link):.1f} ms -> "
+                          f"{bound_speed(base, f.footprint, budgets[ratio], link):.2f}x whole-jit", flush=True)
             targets.update(ratio_targets(name, ratio, {**rows, **{m: rows[f"{m} {ratio}x"] for m in OUR_MODES}},
-                                         base, link))
+                                         base, link, bound_speed(base, fp.footprint, budgets[ratio], link)
+                                         if base and link == link else None))
     write_json(args.out, {**results, "targets": targets})
     print_targets(targets)
     return 0

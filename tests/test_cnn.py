@@ -368,3 +368,24 @@ def test_every_model_the_gpu_benchmark_names_builds(table):
             model = build(spec["family"], m, depth=spec["depth"], width=spec["width"], image=spec["image"],
                           classes=10)
             assert model.info["family"] == spec["family"] == name and model.param_bytes > 0
+
+
+def test_the_gpu_benchmark_names_the_traffic_no_policy_can_avoid():
+    """At the high-water mark every live byte is read again, so all but the budget's worth must come
+    up the link each step: that bound caps the speed any policy can reach, and a target above it
+    says so instead of blaming the schedule's own copies."""
+    from benchmarks import gpu_cnn
+    GiB, link = 1 << 30, 50e9
+    assert gpu_cnn.bound_seconds(10 * GiB, 4 * GiB, link) == pytest.approx(6 * GiB / link)
+    assert gpu_cnn.bound_seconds(3 * GiB, 4 * GiB, link) == 0.0  # it fits: nothing must move
+    assert gpu_cnn.bound_seconds(10 * GiB, 4 * GiB, float("nan")) == 0.0  # no link measured (CPU run)
+    base = 0.1  # a 100 ms whole-jit step
+    assert gpu_cnn.bound_speed(base, 3 * GiB, 4 * GiB, link) == 1.0
+    assert gpu_cnn.bound_speed(base, 10 * GiB, 4 * GiB, link) == pytest.approx(base * link / (6 * GiB))
+    rows = {"cap": {"seconds": 0.5, "to_fast": 1 * GiB}, "caLMP": {"seconds": 0.25, "to_fast": 1 * GiB},
+            "remat": {"seconds": 0.2}}
+    capped = gpu_cnn.ratio_targets("m", 4, rows, base, link, bound=0.5)
+    (line, ok), _ = capped.items()
+    assert not ok and "best caLMP 0.40x" in line and "no policy" in line and "0.50x" in line
+    (line, ok), _ = gpu_cnn.ratio_targets("m", 4, rows, base, link, bound=0.9).items()
+    assert "no policy" not in line and "PCIe floor" not in line  # 1 GiB at 50 GB/s fits in 100 ms
