@@ -70,11 +70,14 @@ class Executor:
     """Runs kernels on CachedArrays of one manager; see the module docstring.
 
     ``timeline``: on a GPU, a `cachedarrays.devices.gpu.DeviceClock` told of every kernel's use
-    record (learned prefetch reads device time from it)."""
+    record (learned prefetch reads device time from it).  ``tape``: a list that each kernel run
+    appends ``(kernel, input shapes and dtypes, args, static)`` to (None: nothing is recorded), so
+    that the same kernels can be dispatched again on bare arrays (:func:`replay`)."""
 
     manager: Manager
     stats: KernelStats = field(default_factory=KernelStats)
     timeline: Any = None
+    tape: list | None = None
 
     def __post_init__(self):
         self.gpu = self.manager.fast.memory_space != "host"
@@ -128,6 +131,8 @@ class Executor:
             fresh, self._fresh = self._fresh, {}
             jx = [fresh[v.object.id] if v.object.id in fresh else self._jax_input(v) for v in views]
             del fresh
+            if self.tape is not None:
+                self.tape.append((kernel, [(tuple(j.shape), j.dtype) for j in jx], args, static))
             out = kernel(*jx, *args, **static)
             if not self.gpu:
                 out = jax.block_until_ready(out)
@@ -220,3 +225,26 @@ class Executor:
             self._keep.clear()
             self._keep_bytes = 0
         self._fresh.clear()
+
+
+def replay(tape: Sequence[tuple], device: Any = None) -> Callable[[], None]:
+    """A function that dispatches the kernels of ``tape`` (:attr:`Executor.tape`) again, in order,
+    on bare JAX arrays of the recorded shapes (zeros, one per shape, on ``device``), and waits for
+    the last: the same per-layer work with nothing of ours around it (no views, no policy, no
+    copies of outputs into regions), what per-layer dispatch costs by itself."""
+    arrays: dict = {}
+
+    def bare(shape, dtype):
+        key = (shape, np.dtype(dtype))
+        if key not in arrays:
+            arrays[key] = jax.device_put(np.zeros(shape, dtype), device)
+        return arrays[key]
+
+    calls = [(kernel, [bare(*sd) for sd in inputs], args, static) for kernel, inputs, args, static in tape]
+
+    def run() -> None:
+        out = None
+        for kernel, xs, args, static in calls:
+            out = kernel(*xs, *args, **static)
+        jax.block_until_ready(out)
+    return run

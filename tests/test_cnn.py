@@ -389,3 +389,35 @@ def test_the_gpu_benchmark_names_the_traffic_no_policy_can_avoid():
     assert not ok and "best caLMP 0.40x" in line and "no policy" in line and "0.50x" in line
     (line, ok), _ = gpu_cnn.ratio_targets("m", 4, rows, base, link, bound=0.9).items()
     assert "no policy" not in line and "PCIe floor" not in line  # 1 GiB at 50 GB/s fits in 100 ms
+
+
+def test_a_recorded_step_replays_the_same_kernels_in_order_on_bare_arrays():
+    """``Executor.tape`` records every kernel of a step; ``replay`` dispatches those kernels again,
+    in order, on plain arrays of the recorded shapes and dtypes (the per-layer floor the GPU
+    benchmark reports), and a tape of None records nothing."""
+    from cnn.execute import replay
+    from cnn.trainer import Session
+    cfg = Config(family="resnet", depth=8, width=4, batch=2, image=8)
+    s = Session(cfg, "dram", None, measure_footprint(cfg))
+    try:
+        s.step(0)
+        ex = s.trainer.ex
+        ex.tape = []
+        s.step(1)
+        tape, ex.tape = ex.tape, None
+        assert len(tape) == ex.stats.calls > 10  # the step's kernels (the stats are the last step's)
+        s.step(2)  # not recorded
+        assert len(tape) == ex.stats.calls
+        seen = []
+
+        def spy(kernel):
+            def call(*xs, **static):
+                seen.append((kernel, [(x.shape, x.dtype) for x in xs if hasattr(x, "shape")]))
+                return kernel(*xs, **static)
+            return call
+        replay([(spy(k), inputs, args, static) for k, inputs, args, static in tape])()
+        assert [k for k, _ in seen] == [k for k, *_ in tape]
+        for (_, got), (_, inputs, args, _) in zip(seen, tape):
+            assert got[:len(inputs)] == [(shape, np.dtype(dt)) for shape, dt in inputs]
+    finally:
+        s.close()
