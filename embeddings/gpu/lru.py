@@ -604,9 +604,20 @@ def _sync_counts(tables: Sequence[LRUCachedEmbeddings]) -> list[bool]:
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
-    """Equal index arrays; different batches usually differ in their first entries, which are
-    compared first (a full comparison reads both arrays)."""
-    return a is b or (a.shape == b.shape and np.array_equal(a[:64], b[:64]) and np.array_equal(a, b))
+    """Equal index arrays. Views of the same memory are equal without reading it (comparing
+    memory with itself could only say so: a prefetched batch that the caller changed in place
+    is not detected either way, the prefetch keeps no copy); a full comparison read both arrays
+    of a trainer's batch, 8 x 2.6 MB, for 3 ms a step beside the CPU threads moving rows.
+    Different batches usually differ in their first entries, which are compared first."""
+    if a is b or _same_memory(a, b):
+        return True
+    return a.shape == b.shape and np.array_equal(a[:64], b[:64]) and np.array_equal(a, b)
+
+
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``a`` and ``b`` are the same elements of the same memory."""
+    return (a.dtype == b.dtype and a.shape == b.shape and a.strides == b.strides
+            and a.__array_interface__["data"][0] == b.__array_interface__["data"][0])
 
 
 def _unmap(backend: Any, handle: Any, host: np.ndarray) -> None:
