@@ -426,7 +426,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         go home now (a prefetch of the next batch, which may read them from the host, is not
         started while rows are staged)."""
         if self._last is not None and self._last.size:
-            self._dirty[self.backend.xp.minimum(self._last, self._nslots)] = True
+            LK.mark_dirty(self._last, self._dirty, self._nslots)
         self._finish_staging(updated=True)
 
     # ------------------------------------------------------------------ optimizer state

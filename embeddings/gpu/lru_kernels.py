@@ -12,7 +12,8 @@ nothing waits for a size on the host.
 * :func:`settle` – after the victims' dirty rows went home and the new rows came in, record the
   new tags;
 * :func:`slots` – every index of a miss gets its distinct miss's slot;
-* :func:`copy_rows` – ``dst[drow] = src[srow]`` row by row (staging and whole-cache write-backs).
+* :func:`copy_rows` – ``dst[drow] = src[srow]`` row by row (staging and whole-cache write-backs);
+* :func:`mark_dirty` – the slots an update wrote.
 
 :func:`probe`, :func:`victims` and :func:`settle` are numpy only: they are the numpy forms of
 one table's part of :mod:`.lru_group`'s kernels, which do all tables at once on a GPU. The others
@@ -67,6 +68,14 @@ extern "C" __global__ void lru_slots(const i64* sk, const i64* order, const i64*
         if (k != none) slot[order[i]] = victim[lower_bound(sk, n, k)];
     }
 }
+
+/* dirty[min(slot[i], nslots)] = true: the slots an update wrote (staged rows share entry nslots) */
+#define DIRTY(NAME, I) \
+extern "C" __global__ void NAME(const I* slot, i64 n, i64 nslots, bool* dirty) { \
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) { \
+        i64 s = slot[i]; dirty[s < nslots ? s : nslots] = true; } }
+DIRTY(lru_dirty_i32, int)
+DIRTY(lru_dirty_i64, i64)
 
 /* dst[drow[r]] = src[srow[r]] for r < n (r < *count when count is not null); a null index array
    means drow[r] = dbase + r (srow likewise) */
@@ -176,6 +185,19 @@ def slots(sk: Any, order: Any, victim: Any, none: int, slot: Any) -> None:
         return
     if n:
         _launch("lru_slots", n, (sk, order, victim, np.int64(n), np.int64(none), slot))
+
+
+def mark_dirty(slot: Any, dirty: Any, nslots: int) -> None:
+    """``dirty[min(slot, nslots)] = True``: the slots an update wrote, staged rows (slots from
+    ``nslots`` on) on the one entry past the cache's. One kernel on a GPU (CuPy's scatter of a
+    value cost 0.2 ms of host time a table)."""
+    n = int(slot.size)
+    if _host(slot):
+        dirty[np.minimum(slot, nslots)] = True
+        return
+    if n:
+        _launch("lru_dirty_i32" if slot.dtype == np.int32 else "lru_dirty_i64", n,
+                (slot, np.int64(n), np.int64(nslots), dirty))
 
 
 def copy_rows(dst: Any, drow: Any, src: Any, srow: Any, n: int, dbase: int = 0, sbase: int = 0) -> None:
