@@ -162,7 +162,7 @@ class DLRM:
         pending = None
         if self._prefetching:  # first: the row traffic is the longer chain
             from .gpu import prefetch_next
-            pending = prefetch_next(self.tables, [batch.bags(i)[0] for i in range(len(self.tables))], background)
+            pending = prefetch_next(self.tables, [batch.flat(i) for i in range(len(self.tables))], background)
         if background:
             self._uploaded = (batch, jax.device_put(batch.dense), jax.device_put(batch.labels))
         return pending

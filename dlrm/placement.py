@@ -59,7 +59,7 @@ def hot_rows(batches: Iterable[Batch], ntables: int, counts: Sequence[int]) -> l
     seen: list[list[np.ndarray]] = [[] for _ in range(ntables)]
     for b in batches:
         for t in range(ntables):
-            seen[t].append(b.bags(t)[0])
+            seen[t].append(b.flat(t))
     out = []
     for t in range(ntables):
         rows, n = np.unique(np.concatenate(seen[t]) if seen[t] else np.zeros(0, np.int64), return_counts=True)

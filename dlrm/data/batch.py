@@ -24,12 +24,17 @@ class Batch:
     def pooled(self) -> bool:
         return self.offsets is not None or (len(self.indices) > 0 and self.indices[0].ndim == 2)
 
+    def flat(self, t: int) -> np.ndarray:
+        """Table ``t``'s lookups' indices as one 1-d array (a view where they are 2-d): the
+        first part of :meth:`bags`, without building offsets."""
+        return self.indices[t].reshape(-1)
+
     def bags(self, t: int) -> tuple[np.ndarray, np.ndarray]:
         """Table ``t``'s lookups as CSR ``(indices, offsets)``, whatever the stored form."""
         idx = self.indices[t]
         if self.offsets is not None:
-            return idx.reshape(-1), self.offsets[t]
+            return self.flat(t), self.offsets[t]
         if idx.ndim == 2:
             B, k = idx.shape
-            return idx.reshape(-1), np.arange(0, B * k + 1, max(k, 1), dtype=np.int64)
+            return self.flat(t), np.arange(0, B * k + 1, max(k, 1), dtype=np.int64)
         return idx, np.arange(idx.size + 1, dtype=np.int64)
