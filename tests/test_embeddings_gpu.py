@@ -280,6 +280,29 @@ def test_device_arrays_come_to_the_host_exactly_whatever_their_size_layout_or_st
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
+def test_the_update_plans_of_several_batches_come_from_one_sort_equal_to_each_batchs_own():
+    """``argsorts`` (one sort keyed by batch and entry) gives each batch the stable argsort it
+    would get alone, for int32 and int64 indices, empty batches and duplicates; an invalid
+    (negative) index still gets a permutation of its own batch, so nothing reads out of range
+    before the checks refuse it."""
+    import cupy as cp
+    from embeddings.gpu.backend import cuda_backend
+    be, ref = cuda_backend(), ReferenceBackend()
+    rng = np.random.default_rng(5)
+    host = [rng.integers(0, 50, 3000).astype(np.int32), np.zeros(0, np.int64),
+            rng.integers(0, 1 << 35, 5000), np.full(700, 3, np.int32), rng.integers(0, 4, 1).astype(np.int32)]
+    host[2][::7] = host[2][0]  # duplicates of a large row
+    got = be.argsorts([cp.asarray(h) for h in host])
+    for h, p, want in zip(host, got, ref.argsorts(host)):
+        assert np.array_equal(cp.asnumpy(p), want)
+    bad = [np.array([4, -1, 2, 0], np.int64), np.array([1, 0, 1], np.int64)]
+    got = be.argsorts([cp.asarray(h) for h in bad])
+    assert sorted(cp.asnumpy(got[0]).tolist()) == [0, 1, 2, 3] and cp.asnumpy(got[1]).tolist() == [1, 0, 2]
+    assert [cp.asnumpy(p).tolist() for p in be.argsorts([cp.asarray(host[0])])] == [ref.argsort(host[0]).tolist()]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
 @pytest.mark.parametrize("F", [8, 12, 64, 256])
 @pytest.mark.parametrize("mode", ["sum", "mean"])
 def test_gpu_lookup_equals_the_cpu_bit_for_bit(F, mode):

@@ -275,7 +275,7 @@ def plans(be, idxs: list) -> list[Plan]:
     """The update plan of each batch's flat indices (:class:`~.backend.Plan`): a stable argsort,
     the sorted rows, and the long rows, whose counts are the plans' one synchronisation (one
     for all the batches: a wait per table would idle the GPU while the host launches the next)."""
-    perms = [be.argsort(idx) for idx in idxs]
+    perms = be.argsorts(idxs)
     srows = [be.sorted_rows(idx, perm) for idx, perm in zip(idxs, perms)]
     runs = be.long_rows(srows, reference.CHUNK)
     return [Plan(perm, srow, *r) for perm, srow, r in zip(perms, srows, runs)]
