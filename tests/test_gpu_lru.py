@@ -240,6 +240,45 @@ def test_a_lookup_that_places_its_own_batch_keeps_the_rows_of_a_batch_prefetched
     m.check()
 
 
+@pytest.mark.parametrize("between", [None, "counts"])
+def test_a_prefetch_that_does_not_wait_for_the_last_update_keeps_that_batchs_ways(monkeypatch, between):
+    """The DLRM order: X and A are prefetched, X is looked up and updated, then B is prefetched
+    while X's update may still run on the device. With nothing but that update queued since
+    X's lookup, B's placement waits only for the work before it (``work.after``: the fence
+    taken at X's lookup) and the lock keeps X's ways, though A, prefetched after X, is queued.
+    Any other operation in between (``counts`` joins the table) makes B wait for everything, and
+    X's ways are free to go."""
+    import embeddings.gpu.lru as LRU
+    rng = np.random.default_rng(24)
+    W0 = rng.standard_normal((N, F)).astype(np.float32)
+    m = host_manager()
+    t, ref = make(W0, m, cache_rows=4, ways=4, staging_rows=4), Reference(W0)
+    fences = iter(range(1, 10_000))
+    monkeypatch.setattr(t.backend, "fence", lambda: ("fence", next(fences)))  # the device's events
+    X, A, B = np.array([[1, 2]]), np.array([[3]]), np.array([[5, 6]])
+    assert prefetch(t, X.ravel()) and prefetch(t, A.ravel())
+    assert np.array_equal(_host(E.lookup(t, X)), ref.lookup(X))
+    at_lookup = t._before_update
+    g = rng.standard_normal((1, F)).astype(np.float32)
+    E.pullback(t, g, X, optimizer=E.SGD(0.1))
+    ref.pullback(g, X, optimizer=E.SGD(0.1))
+    if between:
+        getattr(t, between)
+    (work,) = LRU.LRUCachedEmbeddings.prefetch_works([t], [B.ravel()])
+    assert work.after == ([at_lookup] if between is None else None)
+    placed = work()
+    tags = set(_host(t._tags).tolist())
+    if between is None:
+        assert not placed and {1, 2, 3, 5} == tags  # one free way: 6 is left out, X keeps its ways
+    else:
+        assert placed and {3, 5, 6} <= tags and len({1, 2} & tags) == 1  # X's update is known done
+    E.lookup(t, A)
+    t.check()
+    assert np.array_equal(contents(t), ref.W)
+    t.close()
+    m.check()
+
+
 def test_prefetch_waits_while_the_current_batch_has_staged_rows():
     W0, m, t = fresh(5, cache_rows=1, ways=1)
     E.lookup(t, np.array([[1, 2]]))  # one way: row 2 is staged

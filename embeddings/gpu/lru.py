@@ -127,6 +127,9 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         self._seen = np.zeros(2, np.int64)  # admitted, written back as last accounted
         self._clock = 0  # stamps given out so far
         self._inflight_stamp = 0  # the stamp of the batch resolved last (its ways are locked for a prefetch)
+        # an event after this table's device work up to the resolution of the batch resolved last,
+        # when nothing but that batch's update has touched the table since (None: not known)
+        self._before_update: Any = None
         self._staged = xp.empty(0, np.int64)  # rows in the staging area, by staging slot
         self._last = None  # the slots of the batch resolved last (an update marks them dirty)
         self._memo: tuple | None = None  # (indices, offsets, weights, mode, generation, bags)
@@ -213,6 +216,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         dtype = np.int32 if self._W.shape[0] < 2 ** 31 else np.int64
         dbags = ops.upload_bags(self.backend, bags, offsets is not None, slots.astype(dtype, copy=False))
         self._last = dbags.idx
+        self._before_update = self.backend.fence()
         self._memo = (indices, offsets, weights, mode, self._generation, dbags)
         return dbags
 
@@ -234,6 +238,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         flats = [t.validate(idx, None, None, None).indices for t, idx in zip(tables, indices)]
         works: list[Callable[[], bool]] = []
         todo = []
+        after = {id(t): t._before_update for t in tables}  # before _join forgets it
         for t, flat in zip(tables, flats):
             t._join(home=False)
             if t._staged.size:
@@ -245,7 +250,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         for t, flat in todo:
             kinds.setdefault((t.backend.xp, t._W.shape[1], t._dstate is None, t.reads), []).append((t, flat))
         for group in kinds.values():
-            works.append(_place_work([t for t, _ in group], [f for _, f in group]))
+            works.append(_place_work([t for t, _ in group], [f for _, f in group], [after[id(t)] for t, _ in group]))
         return works
 
     def validate(self, indices: Any, offsets: Any, weights: Any, mode: str | None,
@@ -311,6 +316,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         if self._inflight is not None:
             self._inflight.wait()
             self._inflight = None
+        self._before_update = None  # an operation other than the update follows
         if home:
             LG.drain([self])
 
@@ -415,6 +421,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         n = int(self._staged.size)
         if n == 0:
             return
+        self._before_update = None  # host rows change: the next placement may read them
         if updated:
             self._copy(self._staged, None, n, down=True, base=self._nslots)
             self.manager.account(self.manager.fast, self.manager.slow, n * self._rowbytes, 0.0)
@@ -625,16 +632,25 @@ def _unmap(backend: Any, handle: Any, host: np.ndarray) -> None:
     backend.unmap(handle)
 
 
-def _place_work(tables: list[LRUCachedEmbeddings], flats: list[np.ndarray]) -> Callable[[], bool]:
+def _place_work(tables: list[LRUCachedEmbeddings], flats: list[np.ndarray], after: list) -> Callable[[], bool]:
     """The device work of prefetching ``flats[i]`` into ``tables[i]`` (validated, joined, none
     with staged rows): each table is busy until it finishes (:meth:`~LRUCachedEmbeddings._join`),
     except for lookups of a batch prefetched before (:meth:`~LRUCachedEmbeddings.resolve`) and
     the update of the batch in flight. Both keep their slots: each table's lock is the stamp of
     the oldest prefetched batch not yet looked up, else of the batch looked up last (taken now,
-    in the caller's thread; work queued before this prefetch is done before it starts)."""
+    in the caller's thread). Work queued before this prefetch is done before it starts, except
+    the update of the batch looked up last where that is the only work queued on every table
+    since its lookup (``after``: each table's ``_before_update``, the events to wait for
+    instead, handed to the prefetcher as ``work.after``). That update writes only its batch's
+    slots and dirty bits, so then the lock keeps that batch's ways too, even with later batches
+    queued, and the placement need not wait for the update: the DLRM trainer does not wait
+    for its update on the host, and the next placement would start behind it."""
     locks, events, since = [], [], [t._lookups for t in tables]
+    relaxed = all(a is not None for a in after)
     for t in tables:
-        locks.append(t._ahead[0].stamp if t._ahead else (t._inflight_stamp or None))
+        stamps = [s for s in (t._ahead[0].stamp if t._ahead else 0,
+                              t._inflight_stamp if relaxed or not t._ahead else 0) if s]
+        locks.append(min(stamps) if stamps else None)
         t._inflight = threading.Event()
         events.append(t._inflight)
 
@@ -659,4 +675,5 @@ def _place_work(tables: list[LRUCachedEmbeddings], flats: list[np.ndarray]) -> C
             be.sync()  # this thread's stream: every write of the prefetch has landed
             for ev in events:
                 ev.set()
+    work.after = after if relaxed else None
     return work

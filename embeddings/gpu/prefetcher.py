@@ -4,7 +4,8 @@
 raises there, before anything moves), then runs the device work of the tables that can do it
 off the caller's thread (:meth:`.lru.LRUCachedEmbeddings.prefetch_works`: the tables of one
 kind together, placed by one set of kernels where they can be) on :data:`WORKERS` worker
-threads, every thread on a CUDA stream of its own, after the work the caller has queued so far.
+threads, every thread on a CUDA stream of its own, after the work the caller has queued so far
+(or after the events a work names as ``work.after``, the part of it the work depends on).
 The row traffic of the next batch then overlaps the caller's work on its own stream: the DLRM
 trainer starts it before the current batch's lookups, so it overlaps the whole step. The two
 never touch the same slots: a prefetch locks the ways of the batches still in use. ``finish``
@@ -62,12 +63,13 @@ def start(tables: Sequence[Any], indices: Sequence[Any],
     fence = backend.fence()
     if _pool is None:
         _pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="cachedarrays-prefetch")
-    return Pending(backend, [_pool.submit(_run, backend, w, fence) for w in works])
+    return Pending(backend, [_pool.submit(_run, backend, w, getattr(w, "after", None) or [fence]) for w in works])
 
 
-def _run(backend: Any, work: Callable[[], Any], fence: Any) -> Any:
+def _run(backend: Any, work: Callable[[], Any], fences: list) -> Any:
     with backend.stream():
-        backend.follow(fence)
+        for fence in fences:
+            backend.follow(fence)
         work()
         return backend.fence()
 
