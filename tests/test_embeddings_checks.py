@@ -24,6 +24,10 @@ def test_first_out_of_range_is_exact(L, n, dtype, bad, seed):
     assert C.first_out_of_range_serial(idx, n) == want
     assert C.first_out_of_range(idx, n) == want
     assert C.out_of_range(idx, n) == want
+    for out_type in (np.int32, np.int64):  # the check fused with a copy finds the same position
+        out = np.full(L, -7, out_type)
+        assert C.copy_checked(idx, n, out) == want
+        assert np.array_equal(out, idx.astype(out_type))
 
 
 @settings(max_examples=60, deadline=None)

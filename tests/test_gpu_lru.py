@@ -557,11 +557,13 @@ def test_a_prefetched_batch_is_range_checked_once_and_any_other_batch_at_its_loo
     t, ref = make(W0, m, cache_rows=120, ways=4, name="t"), Reference(W0)
     a, b = zipf_batch(rng, 16, 5), zipf_batch(rng, 16, 5)
     want_a, want_b = ref.lookup(a), ref.lookup(b)
+    import embeddings.gpu.lru as LRU
     checked = []
-    check = EB.out_of_range
+    check, copy = EB.out_of_range, LRU.copy_checked
     monkeypatch.setattr(EB, "out_of_range", lambda flat, n: checked.append(flat.size) or check(flat, n))
+    monkeypatch.setattr(LRU, "copy_checked", lambda flat, n, out: checked.append(flat.size) or copy(flat, n, out))
     prefetch(t, a.ravel())
-    assert checked == [80]
+    assert checked == [80]  # as the prefetch copies the batch for the device
     checked.clear()
     assert np.array_equal(_host(E.lookup(t, a.copy())), want_a)  # equal to the prefetched batch
     assert checked == []

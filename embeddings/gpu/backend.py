@@ -93,6 +93,9 @@ class ReferenceBackend:
     def upload_concat(self, parts: list[np.ndarray], dtype: Any) -> np.ndarray:
         return np.concatenate(parts).astype(dtype, copy=False)
 
+    def upload_blocks(self, blocks: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(blocks)
+
     def aside(self, lane: int = 0) -> Any:
         return contextlib.nullcontext()
 
@@ -272,6 +275,17 @@ class CudaBackend:
         rt = cp.cuda.runtime
         rt.memcpyAsync(dst.data.ptr, src.ctypes.data, src.nbytes, rt.memcpyHostToDevice,
                        cp.cuda.get_current_stream().ptr)
+
+    def upload_blocks(self, blocks: list[np.ndarray]) -> Any:
+        """Page-locked host ``blocks`` (of one type) one after the other as one device array,
+        copied up without waiting: the caller keeps them until a later :meth:`fence` is passed."""
+        dst = self.xp.empty(sum(int(b.size) for b in blocks), blocks[0].dtype)
+        at = 0
+        for b in blocks:
+            if b.size:
+                self.upload(dst[at:at + b.size], b)
+            at += b.size
+        return dst
 
     def upload_concat(self, parts: list[np.ndarray], dtype: Any) -> Any:
         """The host arrays ``parts`` one after the other as one device array of ``dtype``: joined

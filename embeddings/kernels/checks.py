@@ -64,6 +64,31 @@ def first_out_of_range(idx, n):
     return -1
 
 
+@njit(parallel=True, cache=True, nogil=True)
+def copy_checked(idx, n, out):
+    """``out[:] = idx`` (converted to ``out``'s type) and the smallest position whose index is
+    outside [0, n) (or -1): the range check and a copy in one pass over the indices, each of 16
+    ordered chunks in parallel checked block by block as :func:`first_out_of_range` checks them
+    (an out-of-range value may not survive the conversion)."""
+    L = idx.size
+    nc = 16 if L >= 1 << 16 else 1
+    firsts = np.full(nc, -1, np.int64)
+    for c in prange(nc):
+        lo, hi = c * L // nc, (c + 1) * L // nc
+        for b in range(lo, hi, BLOCK):
+            e = min(b + BLOCK, hi)
+            if firsts[c] < 0 and not _block_in_range(idx, b, e, n):
+                firsts[c] = _first_out_of_range_in(idx, b, e, n)
+            src = carray(address_as_pointer(idx.ctypes.data + b * idx.itemsize, idx), e - b)
+            dst = carray(address_as_pointer(out.ctypes.data + b * out.itemsize, out), e - b)
+            for p in range(e - b):  # raw views from 0: plain vector loads and stores
+                dst[p] = src[p]
+    for c in range(nc):
+        if firsts[c] >= 0:
+            return firsts[c]
+    return -1
+
+
 @njit(cache=True, nogil=True)
 def first_bad_offset(offsets):
     """Smallest b with offsets[b+1] < offsets[b] (1-d, contiguous), or -1: a branch-free OR over
