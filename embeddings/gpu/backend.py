@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import threading
 import time
 from typing import Any
@@ -185,14 +184,6 @@ class ReferenceBackend:
         F = W.shape[1]
         reference.update(W, state, grad, plan.perm, plan.srow, off, B, k, w, mean, opt, lr, eps,
                          4 if F % 4 == 0 else 1)
-
-
-@functools.lru_cache(maxsize=None)
-def _composite() -> Any:
-    """``key = array << 40 | (entry & (2**40 - 1))``: :meth:`CudaBackend.argsorts`' sort keys."""
-    import cupy as cp
-    return cp.ElementwiseKernel("T x, int64 t", "int64 key",
-                                "key = (t << 40) | ((long long)x & 0xFFFFFFFFFFLL)", "cachedarrays_composite")
 
 
 class CudaBackend:
@@ -439,7 +430,9 @@ class CudaBackend:
         key = cp.empty(sum(sizes), np.int64)
         at = 0
         for t, (idx, n) in enumerate(zip(idxs, sizes)):
-            _composite()(idx, np.int64(t), key[at:at + n])
+            if n:
+                name = "sort_keys_i32" if idx.dtype == np.int32 else "sort_keys_i64"
+                cuda.kernel(name)(*cuda.grid_1d(n), (idx, np.int64(n), np.int64(t), key[at:at + n]))
             at += n
         perm = cp.argsort(key)
         out, at = [], 0

@@ -324,6 +324,14 @@ extern "C" __global__ void NAME(const I* idx, const i64* perm, i64 L, I* srow) {
 SORTED_ROWS(sorted_rows_i32, int)
 SORTED_ROWS(sorted_rows_i64, i64)
 
+/* key[q] = t << 40 | (idx[q] & (2^40 - 1)): one sort orders several batches' entries, each within its own */
+#define SORT_KEYS(NAME, I) \
+extern "C" __global__ void NAME(const I* idx, i64 L, i64 t, i64* key) { \
+    for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; q < L; q += (i64)gridDim.x * blockDim.x) \
+        key[q] = (t << 40) | ((i64)idx[q] & 0xFFFFFFFFFFLL); }
+SORT_KEYS(sort_keys_i32, int)
+SORT_KEYS(sort_keys_i64, i64)
+
 /* The long rows (more than C entries): run [lstart, lend) per slot; slot and first chunk sum from one atomic
    (count << 40 | chunks), so lbase increases with the slot. Slots are in no particular row order; the arithmetic
    does not depend on it. */
