@@ -381,8 +381,8 @@ def main(argv=None) -> int:
                   + ", ".join(f"{row} {d:.1e}" for row, d in diffs.items()), flush=True)
             run["loss_differences"] = diffs
         for ratio in ratios:
-            table = [table_row(row, rows[row], base, link) for row in ("whole-jit", BARE, "ours, HBM", "remat", "offload")
-                     if row in rows]
+            table = [table_row(row, rows[row], base, link)
+                     for row in ("whole-jit", BARE, "ours, HBM", "remat", "offload") if row in rows]
             table += [table_row(mode, rows[f"{mode} {ratio}x"], base, link) for mode in OUR_MODES]
             if rc is not None:
                 table.append(table_row(f"caLMP{RECOMPUTE}", rows[f"caLMP{RECOMPUTE} {ratio}x"], base, link))

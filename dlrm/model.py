@@ -140,8 +140,8 @@ class DLRM:
     def _hold(self, value: Any) -> None:
         """Keep ``value`` (JAX arrays that update kernels queued on CuPy's stream read) alive until
         those kernels are done. JAX frees a dead value's buffer without waiting for CuPy's
-        stream; waiting for the kernels here instead cost the step 2.5 ms on the H100 beside a
-        prefetch. At most two steps' values are held."""
+        stream; waiting for the kernels here instead cost the main thread 2.5 ms a step on an
+        H200 beside a prefetch. At most two steps' values are held."""
         from embeddings.gpu.backend import cuda_backend
         be = cuda_backend()
         held = self._held

@@ -647,7 +647,8 @@ def _unmap(backend: Any, handle: Any, host: np.ndarray) -> None:
 def _place_work(tables: list[LRUCachedEmbeddings], flats: list[np.ndarray], blocks: list[np.ndarray],
                 after: list) -> Callable[[], bool]:
     """The device work of prefetching ``flats[i]`` into ``tables[i]`` (validated, joined, none
-    with staged rows; copied into page-locked ``blocks[i]``, all of one type): each table is busy until it finishes (:meth:`~LRUCachedEmbeddings._join`),
+    with staged rows; copied into page-locked ``blocks[i]``, all of one type): each table is
+    busy until it finishes (:meth:`~LRUCachedEmbeddings._join`),
     except for lookups of a batch prefetched before (:meth:`~LRUCachedEmbeddings.resolve`) and
     the update of the batch in flight. Both keep their slots: each table's lock is the stamp of
     the oldest prefetched batch not yet looked up, else of the batch looked up last (taken now,
