@@ -583,7 +583,7 @@ def test_the_lookup_of_a_prefetched_batch_in_the_same_memory_reads_no_index_agai
     """A lookup given the prefetched batch's memory again (another view: a trainer prefetches the
     flat indices and looks up the 2-d array they view) takes its placement without comparing the
     indices, which a full comparison of a trainer's batches did for 3 ms a step; a copy of the
-    batch is compared, and a different batch in the same memory layout is told apart."""
+    batch is compared in full, and a different batch of the same shape is told apart."""
     import embeddings.gpu.lru as LRU
     rng = np.random.default_rng(23)
     W0 = rng.standard_normal((N, F)).astype(np.float32)

@@ -247,22 +247,19 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
             flats.append(flat)
             blocks.append(block)
         works: list[Callable[[], bool]] = []
-        todo = []
-        after = {id(t): t._before_update for t in tables}  # before _join forgets it
+        kinds: dict = {}
         for t, flat, block in zip(tables, flats, blocks):
+            before = t._before_update  # _join forgets it
             t._join(home=False)
             if t._staged.size:
                 t._prefetch_outcome(False)
                 works.append(lambda: False)
             else:
-                todo.append((t, flat, block))
-        kinds: dict = {}
-        for t, flat, block in todo:
-            kinds.setdefault((t.backend.xp, t._W.shape[1], t._dstate is None, t.reads, block.dtype),
-                             []).append((t, flat, block))
+                kinds.setdefault((t.backend.xp, t._W.shape[1], t._dstate is None, t.reads, block.dtype),
+                                 []).append((t, flat, block, before))
         for group in kinds.values():
-            works.append(_place_work([t for t, _, _ in group], [f for _, f, _ in group], [b for _, _, b in group],
-                                     [after[id(t)] for t, _, _ in group]))
+            ts, fs, bs, afters = (list(part) for part in zip(*group))
+            works.append(_place_work(ts, fs, bs, afters))
         return works
 
     def validate(self, indices: Any, offsets: Any, weights: Any, mode: str | None,
