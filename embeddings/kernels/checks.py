@@ -44,6 +44,15 @@ def _first_out_of_range_in(idx, lo, hi, n):
     return -1
 
 
+@njit(cache=True, inline="always")
+def _first_found(firsts):
+    """The first entry of ``firsts`` (each ordered chunk's first bad position, or -1) that is one."""
+    for c in range(firsts.size):
+        if firsts[c] >= 0:
+            return firsts[c]
+    return -1
+
+
 @njit(cache=True, nogil=True)
 def first_out_of_range_serial(idx, n):
     """Smallest position p with idx[p] < 0 or idx[p] >= n, or -1 (on the calling thread)."""
@@ -58,10 +67,7 @@ def first_out_of_range(idx, n):
     firsts = np.full(nc, -1, np.int64)
     for c in prange(nc):
         firsts[c] = _first_out_of_range_in(idx, c * L // nc, (c + 1) * L // nc, n)
-    for c in range(nc):
-        if firsts[c] >= 0:
-            return firsts[c]
-    return -1
+    return _first_found(firsts)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -83,10 +89,7 @@ def copy_checked(idx, n, out):
             dst = carray(address_as_pointer(out.ctypes.data + b * out.itemsize, out), e - b)
             for p in range(e - b):  # raw views from 0: plain vector loads and stores
                 dst[p] = src[p]
-    for c in range(nc):
-        if firsts[c] >= 0:
-            return firsts[c]
-    return -1
+    return _first_found(firsts)
 
 
 @njit(cache=True, nogil=True)
@@ -174,10 +177,7 @@ def first_nonfinite_row(x):
     firsts = np.full(nc, -1, np.int64)
     for c in prange(nc):
         firsts[c] = first_nonfinite_row_in(x, c * n // nc, (c + 1) * n // nc)
-    for c in range(nc):
-        if firsts[c] >= 0:
-            return firsts[c]
-    return -1
+    return _first_found(firsts)
 
 
 def out_of_range(idx: np.ndarray, n: int) -> int:
