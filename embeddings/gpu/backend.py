@@ -89,9 +89,6 @@ class ReferenceBackend:
     def download(self, dst: np.ndarray, src: Any) -> None:
         dst[...] = src
 
-    def upload_concat(self, parts: list[np.ndarray], dtype: Any) -> np.ndarray:
-        return np.concatenate(parts).astype(dtype, copy=False)
-
     def upload_blocks(self, blocks: list[np.ndarray]) -> np.ndarray:
         return np.concatenate(blocks)
 
