@@ -319,7 +319,8 @@ class CachedArray(NDArrayOperatorsMixin):
 
 
 _JAX_DEVICES: dict = {}
-_JAX_VIEWS: "weakref.WeakKeyDictionary[Manager, weakref.WeakKeyDictionary]" = weakref.WeakKeyDictionary()
+_JAX_VIEWS: "weakref.WeakKeyDictionary[Manager, dict]" = weakref.WeakKeyDictionary()
+JAX_VIEWS_KEPT = 4096  # per manager: the oldest kept view goes when one more would pass this
 
 
 def jax_array(view: CachedArray):
@@ -327,31 +328,37 @@ def jax_array(view: CachedArray):
     the view is held; on a GPU, releasing the view records JAX's use of the region.
 
     Importing through DLPack costs host time on every call (the stream handshake and CuPy's and
-    JAX's wrappers), so the JAX array of a region is kept and handed out again while the region is
-    still the object's primary at the same offset and `Manager.settled` says that no copy or use a
-    reader must be ordered after is in flight; otherwise, and the first time, the view is imported
-    as ``jax.dlpack.from_dlpack(view)`` does.  Only arrays that alias the region's own bytes are
-    kept (never a copy, which a later write would make stale); they are dropped when the manager
-    closes.  The manager's API is all this uses: which region is primary, and whether it is settled.
+    JAX's wrappers), so the JAX arrays made are kept, keyed by the bytes they alias (device, offset,
+    shape, dtype), and handed out again to any view whose primary region starts there while
+    `Manager.settled` says that no copy or use a reader must be ordered after is in flight;
+    otherwise, and the first time, the view is imported as ``jax.dlpack.from_dlpack(view)`` does.
+    Keying by address rather than by region lets the next object placed at the same offset (a
+    training step's activations, freed and allocated again in the same order every step) reuse the
+    import.  Only arrays that alias the region's own bytes are kept (never a copy, which a later
+    write would make stale); at most `JAX_VIEWS_KEPT` per manager, dropped when it closes.  The
+    manager's API is all this uses: which region is primary, and whether it is settled.
     """
     if view._status is Status.NotBusy or view._released:
         raise StatusError("jax_array needs a held readable(x) or writable(x) view")
     m = view.manager
     region = m.primary(view.object)
     views = _JAX_VIEWS.get(m)
-    entry = None if views is None else views.get(region)
-    if (entry is not None and entry[0] == region.offset and entry[1] == view.shape and entry[2] == view.dtype
-            and m.settled(region)):
+    key = (region.device, region.offset, view.shape, view.dtype)
+    arr = None if views is None else views.get(key)
+    if arr is not None and m.settled(region):
         if region.device.memory_space != "host":
             view._gpu_consumers.add(_jax_device(region.device.index))
-        return entry[3]
+        return arr
     import jax
     arr = jax.dlpack.from_dlpack(view)
     if view.nbytes and arr.unsafe_buffer_pointer() == region.device.address(region.offset):
         if views is None:
-            views = _JAX_VIEWS[m] = weakref.WeakKeyDictionary()
+            views = _JAX_VIEWS[m] = {}
             m.add_hooks(close=views.clear)
-        views[region] = (region.offset, view.shape, view.dtype, arr)
+        views.pop(key, None)
+        views[key] = arr
+        if len(views) > JAX_VIEWS_KEPT:
+            del views[next(iter(views))]
     return arr
 
 

@@ -41,12 +41,55 @@ def test_jax_array_is_kept_while_the_region_stays_and_renewed_when_it_moves(m):
     assert m.primary(x.object) is not region and region.freed
     v = readable(x)
     c = jax_array(v)
-    assert c is not a and np.asarray(c).tolist() == [-1.0] * 64
+    moved = m.primary(x.object)
+    assert c.unsafe_buffer_pointer() == moved.device.address(moved.offset)  # the new region's bytes
+    assert np.asarray(c).tolist() == [-1.0] * 64
     v.release()
     with pytest.raises(StatusError, match="held readable"):
         jax_array(x)
     with pytest.raises(StatusError, match="held readable"):
         jax_array(v)
+
+
+def test_an_object_placed_where_a_freed_one_was_reuses_its_import(m, monkeypatch):
+    imports = []
+    real = jax.dlpack.from_dlpack
+    monkeypatch.setattr(jax.dlpack, "from_dlpack", lambda v: imports.append(v) or real(v))
+
+    def read(x):
+        with readable(x) as _:
+            pass  # the first use may move the object (LRU inserts on use); read its JAX array after
+        v = readable(x)
+        region = m.primary(x.object)
+        arr = jax_array(v)
+        v.release()
+        return arr, (region.device, region.offset)
+
+    x = CachedArray(np.arange(64, dtype=np.float32), m)
+    a, where = read(x)
+    assert len(imports) == 1
+    ca.cleanup(x)
+    y = CachedArray(np.arange(64, dtype=np.float32)[::-1].copy(), m)  # same size: the allocator reuses the spot
+    b, where_y = read(y)
+    assert where_y == where and b is a and len(imports) == 1  # no second import
+    np.testing.assert_array_equal(np.asarray(b), np.arange(64)[::-1])  # y's bytes, read through the kept array
+    ca.cleanup(y)
+    z = CachedArray(np.arange(64, dtype=np.int32), m)  # same bytes, another dtype: imported anew
+    c, where_z = read(z)
+    assert where_z == where and c is not a and len(imports) == 2
+    np.testing.assert_array_equal(np.asarray(c), np.arange(64))
+
+
+def test_kept_imports_are_bounded(m, monkeypatch):
+    monkeypatch.setattr(ca.array, "JAX_VIEWS_KEPT", 3)
+    xs = [CachedArray(np.full(16, i, np.float32), m) for i in range(5)]
+    for x in xs:
+        with readable(x) as _:
+            pass
+        v = readable(x)
+        jax_array(v)
+        v.release()
+    assert len(ca.array._JAX_VIEWS[m]) == 3
 
 
 def test_settled_says_whether_a_reader_would_wait(m):
