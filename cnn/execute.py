@@ -87,7 +87,8 @@ class Executor:
         # outputs whose copies are still queued live in JAX's memory, outside the budget: the host may
         # run this far ahead of the GPU before it waits for the oldest copy
         self.ahead_bytes = max(256 << 20, self.manager.fast.capacity // 4)
-        self._imported: dict = {}  # id(JAX output) -> its CuPy import, from the kernel's use record
+        self._imported: list = []  # (JAX output, its CuPy import) of the last kernel, from its use record
+        self._ordered: tuple = ()  # the last kernel's outputs that CuPy's stream waits for
         self._fresh: dict = {}  # object id -> the JAX value the last kernel stored into it (see `run`)
 
     def _where(self, x: CachedArray) -> bool:
@@ -136,9 +137,9 @@ class Executor:
             out = kernel(*jx, *args, **static)
             if not self.gpu:
                 out = jax.block_until_ready(out)
-            del jx
             outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
-            done = self._kernel_done(outs) if self.gpu else None
+            done = self._kernel_done(outs, jx, hasattr(kernel, "lower")) if self.gpu else None
+            del jx
         finally:
             uses = release_together(views, done)
         if self.timeline is not None and uses:
@@ -148,14 +149,27 @@ class Executor:
         self.stats.seconds += time.perf_counter() - t0
         return outs
 
-    def _kernel_done(self, outs: tuple):
+    def _kernel_done(self, outs: tuple, inputs: list, one_program: bool):
         """A use record at the end of a dispatched kernel: CuPy's stream waits for its outputs (the
         DLPack handshake, on the GPU), then an event.  It stands for the kernel's reads of all its
-        inputs, and costs one import per output, which `store` reuses, where a JAX marker
-        computation per kernel cost about a millisecond of host time on an H100 host."""
+        inputs, and the imports are reused by `store`, where a JAX marker computation per kernel
+        cost about a millisecond of host time on an H100 host.
+
+        A jitted kernel (``one_program``) is one XLA program, whose outputs are defined together:
+        one output it computed is imported, which orders CuPy's stream after the whole program, and
+        the others are copied from their addresses without an import of their own (an import costs
+        tens of microseconds of host time).  An output that is one of the inputs handed back
+        unchanged is imported too.  Any other callable may run several programs: every output is
+        imported."""
         from cachedarrays.devices.gpu import CudaUse
         import cupy as cp
-        self._imported = {id(o): cp.from_dlpack(o) for o in outs}
+        imports = outs
+        if one_program:
+            forwarded = [o for o in outs if any(o is x for x in inputs)]
+            computed = next((o for o in outs if not any(o is f for f in forwarded)), None)
+            imports = forwarded + ([computed] if computed is not None else [])
+        self._imported = [(o, cp.from_dlpack(o)) for o in imports]
+        self._ordered = outs if one_program else ()
         return CudaUse()
 
     def store(self, value) -> CachedArray:
@@ -190,12 +204,17 @@ class Executor:
         release it; ``value`` stays referenced until the copy has read it (its owner, JAX, would
         reuse the bytes at once, without waiting for our stream)."""
         import cupy as cp
-        src = self._imported.pop(id(value), None)
-        if src is None:
+        src = next((c for o, c in self._imported if o is value), None)
+        if src is not None:
+            source = src.data.ptr
+        elif any(o is value for o in self._ordered):  # the stream already waits for the program that made it
+            source = value.unsafe_buffer_pointer() if w.nbytes else 0
+        else:
             src = cp.from_dlpack(value)  # the current stream waits for the kernel that makes it
+            source = src.data.ptr
         stream = cp.cuda.get_current_stream()
         if w.nbytes:
-            cp.cuda.runtime.memcpyAsync(device_pointer(w, stream), src.data.ptr, w.nbytes, _D2D, stream.ptr)
+            cp.cuda.runtime.memcpyAsync(device_pointer(w, stream), source, w.nbytes, _D2D, stream.ptr)
         (use,) = release_together([w]) or (None,)
         if use is None:
             return
