@@ -262,6 +262,11 @@ class Session:
                                       f"(smallest that should work: {format_size(self.fp.min_budget)}): {e}") from e
         rec = iteration_record(i, loss, time.perf_counter() - t0, m, tr.ex)
         self.records.append(rec)
+        if len(self.records) == 1:
+            # what lives now (the model, JAX's compiled kernels, the kept imports) lives for the run: the
+            # collector's full passes skip frozen objects (about 6 ms a step of a tiny DenseNet on the CPU)
+            gc.collect()
+            gc.freeze()
         return rec
 
     def save(self, path: str, iteration: int) -> str:
@@ -299,6 +304,7 @@ class Session:
         report = getattr(self.m.policy, "report", None)
         del self.trainer
         self.m.close()
+        gc.unfreeze()
         gc.collect()
         return RunResult(self.mode, self.fast, self.fp, self.records, tele, report() if report else None)
 
