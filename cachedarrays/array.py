@@ -176,11 +176,17 @@ class CachedArray(NDArrayOperatorsMixin):
         """End this view's pin now (also happens on ``with`` exit or when the view is collected)."""
         if self._status is not Status.NotBusy and not self._released:
             self._released = True
-            self._finalizer.detach()
+            self._pinned = False
             if self._gpu_consumers:
                 self._record_gpu_uses()
             self.manager.unpin(self.object)
         return self
+
+    def __del__(self):
+        # a pinned view collected without `release`: the pin goes at the next manager call (taking the
+        # manager's lock here could deadlock, as collection may run inside a locked section)
+        if self.__dict__.get("_pinned"):
+            self.manager.unpin_later(self.object)
 
     def _record_gpu_uses(self, uses: dict | None = None) -> None:
         """Record this view's GPU consumers as uses of its region; ``uses`` (consumer -> use) shares
@@ -453,8 +459,7 @@ def _unwrap_key(key):
 def _wrap(x: CachedArray, status: Status) -> CachedArray:
     view = CachedArray(x.shape, x.manager, x.dtype, _object=x.object, _status=status)
     x.manager.pin(x.object)
-    view._finalizer = weakref.finalize(view, x.manager.unpin_later, x.object)
-    view._finalizer.atexit = False
+    view._pinned = True
     return view
 
 
