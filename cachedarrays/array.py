@@ -378,15 +378,17 @@ def _jax_device(index: int):
 
 
 def device_pointer(view: CachedArray, stream=None) -> int:
-    """The device address of a GPU-resident `writable` (or `readable`) view's bytes, for raw CUDA
-    calls (``cudaMemcpyAsync``) that skip CuPy's array wrappers: ``stream`` (default CuPy's current)
-    is ordered after the region's copies and uses as for ``view.array``, and releasing the view
-    records CuPy's use.  Raises for a view whose bytes are in host memory."""
+    """The address of a `writable` (or `readable`) view's bytes for raw CUDA calls
+    (``cudaMemcpyAsync``) that skip CuPy's array wrappers: GPU memory, or host memory page-locked
+    for the GPU (`Device.page_locked`), which CUDA copies reach directly.  ``stream`` (default CuPy's
+    current) is ordered after the region's copies and uses as for ``view.array``, and releasing the
+    view records CuPy's use, which later readers and copies of the region wait for (the host ones
+    too).  Raises for a view whose bytes are in host memory that is not page-locked."""
     if view._status is Status.NotBusy or view._released:
         raise StatusError("device_pointer needs a held readable(x) or writable(x) view")
     region = view.manager.primary(view.object)
-    if region.device.memory_space == "host":
-        raise ValueError(f"{view!r} is in host memory; use view.array")
+    if region.device.memory_space == "host" and not region.device.page_locked:
+        raise ValueError(f"{view!r} is in host memory that is not page-locked for the GPU; use view.array")
     from .devices.gpu import cupy
     view.manager.ready_on(region, cupy().cuda.get_current_stream() if stream is None else stream,
                           view._status is Status.ReadWrite)

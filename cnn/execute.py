@@ -13,11 +13,13 @@ GPU nothing waits: the kernel is dispatched on JAX's stream (which waits on the
 GPU for copies into its inputs), one use record (`release_together`: an event
 after CuPy's stream waited for the kernel's outputs) keeps the inputs' regions
 from being moved or reused before the kernel has read them, and
-each output is copied device to device into the region the policy chose
-(one ``cudaMemcpyAsync`` on CuPy's stream, after the DLPack handshake with JAX's; no
-host wait: the JAX value is kept alive until its copy is done instead).  An output the policy placed in host
-memory is copied there (that one waits).  The use records double as the device
-clock of learned prefetch (`timeline`).
+each output is copied into the region the policy chose (one ``cudaMemcpyAsync``
+on CuPy's stream, after the DLPack handshake with JAX's; no host wait: the JAX
+value is kept alive until its copy is done instead), in HBM or in page-locked
+host memory alike.  An input a policy left in page-locked host memory is copied
+up the same way into a buffer of CuPy's that JAX imports.  Host memory that is
+not page-locked goes through the host, which waits.  The use records double as
+the device clock of learned prefetch (`timeline`).
 
 The next kernel reads an output of the previous one from the JAX value the
 previous kernel returned (kept until then; the same bytes as its region, as
@@ -41,7 +43,7 @@ import numpy as np
 
 from cachedarrays import CachedArray, Manager, device_pointer, jax_array, readable, release_together, writable
 
-_D2D = 3  # cudaMemcpyDeviceToDevice
+_COPY = 4  # cudaMemcpyDefault: the direction from the addresses (GPU memory, page-locked host memory)
 
 
 @dataclass
@@ -90,6 +92,7 @@ class Executor:
         self._imported: list = []  # (JAX output, its CuPy import) of the last kernel, from its use record
         self._ordered: tuple = ()  # the last kernel's outputs that CuPy's stream waits for
         self._fresh: dict = {}  # object id -> the JAX value the last kernel stored into it (see `run`)
+        self._staged: list = []  # the running kernel's inputs copied up from host memory (CuPy buffers)
 
     def _where(self, x: CachedArray) -> bool:
         return x.policy.in_fast(x.object)
@@ -99,11 +102,26 @@ class Executor:
             self.stats.max_working_set = nbytes
             self.stats.max_working_set_kernel = name
 
+    def _cuda_reaches(self, x: CachedArray) -> bool:
+        """Whether CUDA copies reach ``x``'s bytes where they are: GPU memory, or page-locked host memory."""
+        device = self.manager.primary(x.object).device
+        return device.memory_space != "host" or device.page_locked
+
     def _jax_input(self, view: CachedArray):
         if self.gpu and self.manager.primary(view.object).device.memory_space == "host":
             # a host-resident input of a GPU kernel (a policy that leaves misses where they are):
-            # JAX gets its own copy of the bytes, which stay valid after the view is released
-            return jax.device_put(np.array(view.array), self._gpu_device())
+            # JAX gets its own copy of the bytes, which stays valid after the view is released
+            if not self._cuda_reaches(view):
+                return jax.device_put(np.array(view.array), self._gpu_device())
+            # page-locked: copied up on CuPy's stream, without the host waiting for the copy or for
+            # the kernels queued before it; the buffer is kept until the kernel's use record is done
+            import cupy as cp
+            stream = cp.cuda.get_current_stream()
+            buf = cp.empty(view.shape, view.dtype)
+            if view.nbytes:
+                cp.cuda.runtime.memcpyAsync(buf.data.ptr, device_pointer(view, stream), view.nbytes, _COPY, stream.ptr)
+            self._staged.append(buf)
+            return jax.dlpack.from_dlpack(buf)  # JAX's stream waits for CuPy's
         return jax_array(view)
 
     def _gpu_device(self):
@@ -142,6 +160,8 @@ class Executor:
             del jx
         finally:
             uses = release_together(views, done)
+            if self._staged:
+                self._keep_staged(done)
         if self.timeline is not None and uses:
             self.timeline.note(uses[-1].cuda_event)
         self._working_set(max(nbytes, max((o.nbytes for o in outs), default=0)), getattr(kernel, "__name__", "kernel"))
@@ -172,6 +192,16 @@ class Executor:
         self._ordered = outs if one_program else ()
         return CudaUse()
 
+    def _keep_staged(self, done) -> None:
+        """Keep the inputs copied up from host memory until the kernel has read them (``done``: its
+        use record; None when it raised, after JAX may have queued part of it: wait for the GPU)."""
+        if done is None:
+            import cupy as cp
+            cp.cuda.Device(self.manager.fast.index).synchronize()
+        else:
+            self._keep.append((done.cuda_event, self._staged, None, 0))
+        self._staged = []
+
     def store(self, value) -> CachedArray:
         """Copy a kernel output into a new CachedArray placed by the policy."""
         y = CachedArray(tuple(value.shape), self.manager, np.dtype(value.dtype))
@@ -191,7 +221,7 @@ class Executor:
                 self.stats.written_fast += y.nbytes
             else:
                 self.stats.written_slow += y.nbytes
-            if self.gpu and self.manager.primary(y.object).device.memory_space != "host":
+            if self.gpu and self._cuda_reaches(y):  # without the host waiting for the kernel
                 self._device_copy(w, value)
                 return
             dst = w.array
@@ -214,7 +244,7 @@ class Executor:
             source = src.data.ptr
         stream = cp.cuda.get_current_stream()
         if w.nbytes:
-            cp.cuda.runtime.memcpyAsync(device_pointer(w, stream), source, w.nbytes, _D2D, stream.ptr)
+            cp.cuda.runtime.memcpyAsync(device_pointer(w, stream), source, w.nbytes, _COPY, stream.ptr)
         (use,) = release_together([w]) or (None,)
         if use is None:
             return
