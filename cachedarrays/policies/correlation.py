@@ -89,6 +89,7 @@ import time
 from typing import Callable
 
 from ..devices import Device
+from ..devices.heap import ALIGN
 from ..devices.perf import copy_seconds
 from ..errors import InvariantError
 from ..manager import Manager, Object, Region
@@ -209,6 +210,8 @@ class CorrelationPrefetchPolicy(LRUPolicy):
         self._speculative: set[int] = set()               # prefetched by the look-ahead, not used yet
         self._busy_until = 0.0                            # when the copies issued here are predicted done
         self._settled = (0, 0)                            # [lo, hi): learned positions whose objects are in fast
+        self._quiet: tuple | None = None                  # (t, busy_until, lo): see `_quiet_until`
+        self._moved_out = 0                               # objects that left the fast level (or were born below)
         self._longest = 0.0                               # modeled copy time of the largest learned object
 
     def attach(self, manager: Manager) -> None:
@@ -237,6 +240,7 @@ class CorrelationPrefetchPolicy(LRUPolicy):
             self._by_key.clear()
             self._cursor = -1
             self._settled = (0, 0)
+            self._quiet = None
             self.m.record("iterations_marked")
             self._look_ahead(None)
 
@@ -309,7 +313,10 @@ class CorrelationPrefetchPolicy(LRUPolicy):
         super().on_move(obj, old, new)
 
     def _unsettle(self, obj: Object) -> None:
-        """``obj`` is not on the fast level (any more): the settled range ends before its first use in it."""
+        """``obj`` is not on the fast level (any more): the settled range ends before its first use in it,
+        and the next walk may have to bring it back."""
+        self._quiet = None
+        self._moved_out += 1
         lo, hi = self._settled
         rec = self.learned
         if hi <= lo or rec is None:
@@ -399,9 +406,14 @@ class CorrelationPrefetchPolicy(LRUPolicy):
         if rec is None or not len(rec):
             return
         c = self._cursor
+        t_next = rec.time(c + 1)
+        quiet = self._quiet
+        if (quiet is not None and t_next < quiet[0] and quiet[1] == self._busy_until and quiet[2] <= c + 1
+                and self.skip_settled):
+            return  # it would defer the same copies and end at the same use
+        self._quiet = None
         backlog = max(0.0, self._busy_until - self.clock())
         longest = self._longest
-        t_next = rec.time(c + 1)
         timed = math.isfinite(self.slack)
         steps = len(rec) if self.max_ahead is None else min(len(rec), self.max_ahead)
         end = c + 1 + steps
@@ -409,24 +421,33 @@ class CorrelationPrefetchPolicy(LRUPolicy):
         if not (self.skip_settled and lo <= c + 1 <= hi):
             lo = hi = c + 1
         stop, unsettled = hi, NEVER  # the walk's end, and the first position it left unsettled
+        deferred: list[tuple[int, float]] = []  # (position, copy time) of the copies left for a later use
+        moved_out = self._moved_out
+        ended_by_time = False
         self._settled = (lo, NEVER)  # evictions below may end it early (`_unsettle`)
         try:
             for stop in range(hi, end):
                 q = stop
                 gap = rec.time(q) - t_next
                 if timed and gap >= self.slack * (backlog + longest):
+                    ended_by_time = True
                     break  # even the largest copy could start at a later use
                 obj = self._object_for(rec.keys[q % len(rec)], q >= len(rec))
                 if obj is None or self.in_fast(obj):
                     continue
                 if obj is current or self.m.pinned(obj):
                     unsettled = min(unsettled, q)
+                    ended_by_time = False
+                    deferred = None
                     continue
                 need = self._copy_seconds(obj.nbytes, self.m.primary(obj).device)
                 if timed and gap >= self.slack * (backlog + need):
                     unsettled = min(unsettled, q)
+                    if deferred is not None:
+                        deferred.append((q, need))
                     continue  # its copy can start at the next use and still be hidden
                 if not self._prefetch_before(obj, q, current):
+                    deferred = None
                     break  # fast memory is full of objects needed before q
                 self._speculative.add(obj.id)
                 self._count("learned_prefetches")
@@ -435,14 +456,47 @@ class CorrelationPrefetchPolicy(LRUPolicy):
                 stop = end
         finally:
             self._settled = (lo, min(self._settled[1], stop, unsettled))
+        if ended_by_time and deferred is not None and self._moved_out == moved_out:  # nothing it evicted
+            self._quiet = self._quiet_until(rec, lo, stop, deferred)
+
+    def _quiet_until(self, rec: Recording, lo: int, stop: int, deferred: list[tuple[int, float]]) -> tuple:
+        """After a walk over the positions from ``lo`` (settled ones skipped) that ended at ``stop`` by
+        the time bound, having deferred the copies of ``deferred``: ``(t, busy_until, lo)``, the
+        recorded time of the next use before which a new walk from ``lo`` on would issue nothing.
+
+        Until then every position it would visit is settled, or deferred again, or past its end: the
+        backlog a later walk sees is at most today's (``busy_until`` less a later clock) as long as
+        no copy is issued (the returned ``busy_until`` must still hold), and a smaller backlog
+        defers more and ends sooner.  Objects leaving the fast level, or born outside it, end the
+        quiet (`_unsettle`)."""
+        backlog = max(0.0, self._busy_until - self.clock())
+        t = rec.time(stop) - self.slack * (backlog + self._longest)
+        for q, need in deferred:
+            t = min(t, rec.time(q) - self.slack * (backlog + need))
+        return t, self._busy_until, lo
 
     def _prefetch_before(self, obj: Object, q: int, current: Object | None) -> bool:
         """Bring ``obj`` (next used at ``q``) to the fast level, evicting only objects used after ``q``
-        (and never ``current``, the object in use)."""
+        (and never ``current``, the object in use).
+
+        Where the free bytes and those of the objects it may evict fall short of ``obj`` it gives up
+        at once: trying each victim plans a span of the heap around it, which the protected objects
+        block (twenty tries a prefetch on a GPU DenseNet at half its footprint)."""
         if self._fetch(obj, force=False):
             return True
-        protected = [o for o in map(self.m.getobject, list(self._orders[self.fast.name]))
-                     if o is not None and (o is current or self.next_use(o.id) <= q)]
+        protected, evictable = [], 0
+        for o in map(self.m.getobject, list(self._orders[self.fast.name])):
+            if o is None:
+                continue
+            if o is current or self.next_use(o.id) <= q:
+                protected.append(o)
+            elif not self.m.pinned(o):
+                evictable += -(-o.nbytes // ALIGN) * ALIGN  # the heap block it takes
+        fast = self.fast
+        if fast.capacity - fast.used_bytes + evictable < obj.nbytes:
+            self.m.collect()  # as a forced fetch would before giving up: dead objects free their bytes
+            if fast.capacity - fast.used_bytes + evictable < obj.nbytes:
+                return False
         for o in protected:
             self.m.pin(o)
         try:
