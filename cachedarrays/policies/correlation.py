@@ -89,7 +89,6 @@ import time
 from typing import Callable
 
 from ..devices import Device
-from ..devices.heap import ALIGN
 from ..devices.perf import copy_seconds
 from ..errors import InvariantError
 from ..manager import Manager, Object, Region
@@ -477,26 +476,11 @@ class CorrelationPrefetchPolicy(LRUPolicy):
 
     def _prefetch_before(self, obj: Object, q: int, current: Object | None) -> bool:
         """Bring ``obj`` (next used at ``q``) to the fast level, evicting only objects used after ``q``
-        (and never ``current``, the object in use).
-
-        Where the free bytes and those of the objects it may evict fall short of ``obj`` it gives up
-        at once: trying each victim plans a span of the heap around it, which the protected objects
-        block (twenty tries a prefetch on a GPU DenseNet at half its footprint)."""
+        (and never ``current``, the object in use)."""
         if self._fetch(obj, force=False):
             return True
-        protected, evictable = [], 0
-        for o in map(self.m.getobject, list(self._orders[self.fast.name])):
-            if o is None:
-                continue
-            if o is current or self.next_use(o.id) <= q:
-                protected.append(o)
-            elif not self.m.pinned(o):
-                evictable += -(-o.nbytes // ALIGN) * ALIGN  # the heap block it takes
-        fast = self.fast
-        if fast.capacity - fast.used_bytes + evictable < obj.nbytes:
-            self.m.collect()  # as a forced fetch would before giving up: dead objects free their bytes
-            if fast.capacity - fast.used_bytes + evictable < obj.nbytes:
-                return False
+        protected = [o for o in map(self.m.getobject, list(self._orders[self.fast.name]))
+                     if o is not None and (o is current or self.next_use(o.id) <= q)]
         for o in protected:
             self.m.pin(o)
         try:
