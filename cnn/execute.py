@@ -230,8 +230,8 @@ class Executor:
             w.release()
 
     def _device_copy(self, w: CachedArray, value) -> None:
-        """Copy ``value`` into the held GPU view ``w`` (one ``cudaMemcpyAsync`` on CuPy's stream) and
-        release it; ``value`` stays referenced until the copy has read it (its owner, JAX, would
+        """Copy ``value`` into the held view ``w``, in GPU or page-locked host memory (one
+        ``cudaMemcpyAsync`` on CuPy's stream), and release it; ``value`` stays referenced until the copy has read it (its owner, JAX, would
         reuse the bytes at once, without waiting for our stream)."""
         import cupy as cp
         src = next((c for o, c in self._imported if o is value), None)
