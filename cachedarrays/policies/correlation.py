@@ -436,8 +436,7 @@ class CorrelationPrefetchPolicy(LRUPolicy):
                     continue
                 if obj is current or self.m.pinned(obj):
                     unsettled = min(unsettled, q)
-                    ended_by_time = False
-                    deferred = None
+                    deferred = None  # it may move once unpinned: no quiet
                     continue
                 need = self._copy_seconds(obj.nbytes, self.m.primary(obj).device)
                 if timed and gap >= self.slack * (backlog + need):
