@@ -20,8 +20,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 from .annotations import Preserved, cleanup, evict, noescape, onobjects, prefetch, preserve, softevict, unsafe_free
-from .array import (CachedArray, Status, assign, device_pointer, jax_array, readable, release, release_together,
-                    similar, writable)
+from .array import (CachedArray, Status, assign, cuda_reachable, device_pointer, jax_array, readable, release,
+                    release_together, similar, writable)
 from .devices import DRAM, GPU, PM, Bandwidth, Device, Heap
 from .errors import (CachedArraysError, CopyError, DeviceUnavailableError, InvariantError, ObjectNotFoundError,
                      OutOfMemoryError, PersistentObjectError, PinnedError, PMCorruptError, PMFormatError,
@@ -36,6 +36,7 @@ __all__ = [
     "DeviceUnavailableError", "GPU", "Heap", "InvariantError", "LRUPolicy", "Manager", "Object", "ObjectNotFoundError",
     "OutOfMemoryError", "PM", "PMCorruptError", "PMFormatError", "PersistentObjectError", "PinnedError", "Policy", "Preserved",
     "Pool", "PoolLockedError", "PoolMismatchError", "Region", "Status", "StatusError", "TwoLevelCachePolicy",
-    "UseAfterFreeError", "assign", "cleanup", "device_pointer", "evict", "format_size", "jax_array", "noescape", "onobjects", "parse_size",
+    "UseAfterFreeError", "assign", "cleanup", "cuda_reachable", "device_pointer", "evict", "format_size", "jax_array",
+    "noescape", "onobjects", "parse_size",
     "persistent", "prefetch", "preserve", "readable", "release", "release_together", "similar", "softevict", "unsafe_free", "writable",
 ]

@@ -377,6 +377,13 @@ def _jax_device(index: int):
     return _JAX_DEVICES[index]
 
 
+def cuda_reachable(x: CachedArray) -> bool:
+    """Whether CUDA copies reach ``x``'s bytes where they are now: GPU memory, or host memory
+    page-locked for the GPU (`Device.page_locked`); `device_pointer` gives their address."""
+    device = x.manager.primary(x.object).device
+    return device.memory_space != "host" or device.page_locked
+
+
 def device_pointer(view: CachedArray, stream=None) -> int:
     """The address of a `writable` (or `readable`) view's bytes for raw CUDA calls
     (``cudaMemcpyAsync``) that skip CuPy's array wrappers: GPU memory, or host memory page-locked
@@ -386,9 +393,9 @@ def device_pointer(view: CachedArray, stream=None) -> int:
     too).  Raises for a view whose bytes are in host memory that is not page-locked."""
     if view._status is Status.NotBusy or view._released:
         raise StatusError("device_pointer needs a held readable(x) or writable(x) view")
-    region = view.manager.primary(view.object)
-    if region.device.memory_space == "host" and not region.device.page_locked:
+    if not cuda_reachable(view):
         raise ValueError(f"{view!r} is in host memory that is not page-locked for the GPU; use view.array")
+    region = view.manager.primary(view.object)
     from .devices.gpu import cupy
     view.manager.ready_on(region, cupy().cuda.get_current_stream() if stream is None else stream,
                           view._status is Status.ReadWrite)

@@ -41,7 +41,8 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from cachedarrays import CachedArray, Manager, device_pointer, jax_array, readable, release_together, writable
+from cachedarrays import (CachedArray, Manager, cuda_reachable, device_pointer, jax_array, readable,
+                          release_together, writable)
 
 _COPY = 4  # cudaMemcpyDefault: the direction from the addresses (GPU memory, page-locked host memory)
 
@@ -102,16 +103,11 @@ class Executor:
             self.stats.max_working_set = nbytes
             self.stats.max_working_set_kernel = name
 
-    def _cuda_reaches(self, x: CachedArray) -> bool:
-        """Whether CUDA copies reach ``x``'s bytes where they are: GPU memory, or page-locked host memory."""
-        device = self.manager.primary(x.object).device
-        return device.memory_space != "host" or device.page_locked
-
     def _jax_input(self, view: CachedArray):
         if self.gpu and self.manager.primary(view.object).device.memory_space == "host":
             # a host-resident input of a GPU kernel (a policy that leaves misses where they are):
             # JAX gets its own copy of the bytes, which stays valid after the view is released
-            if not self._cuda_reaches(view):
+            if not cuda_reachable(view):
                 return jax.device_put(np.array(view.array), self._gpu_device())
             # page-locked: copied up on CuPy's stream, without the host waiting for the copy or for
             # the kernels queued before it; the buffer is kept until the kernel's use record is done
@@ -221,7 +217,7 @@ class Executor:
                 self.stats.written_fast += y.nbytes
             else:
                 self.stats.written_slow += y.nbytes
-            if self.gpu and self._cuda_reaches(y):  # without the host waiting for the kernel
+            if self.gpu and cuda_reachable(y):  # without the host waiting for the kernel
                 self._device_copy(w, value)
                 return
             dst = w.array
@@ -231,8 +227,9 @@ class Executor:
 
     def _device_copy(self, w: CachedArray, value) -> None:
         """Copy ``value`` into the held view ``w``, in GPU or page-locked host memory (one
-        ``cudaMemcpyAsync`` on CuPy's stream), and release it; ``value`` stays referenced until the copy has read it (its owner, JAX, would
-        reuse the bytes at once, without waiting for our stream)."""
+        ``cudaMemcpyAsync`` on CuPy's stream), and release it; ``value`` stays referenced until
+        the copy has read it (its owner, JAX, would reuse the bytes at once, without waiting for
+        our stream)."""
         import cupy as cp
         src = next((c for o, c in self._imported if o is value), None)
         if src is not None:

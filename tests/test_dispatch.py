@@ -92,6 +92,22 @@ def test_kept_imports_are_bounded(m, monkeypatch):
     assert len(ca.array._JAX_VIEWS[m]) == 3
 
 
+def test_host_memory_that_is_not_page_locked_has_no_cuda_address(m):
+    x = CachedArray(np.arange(8, dtype=np.float32), m)
+    assert not m.fast.page_locked and not ca.cuda_reachable(x)  # no GPU here: nothing is page-locked
+    with readable(x) as _:
+        pass
+    v = readable(x)
+    with pytest.raises(ValueError, match="not page-locked"):
+        ca.device_pointer(v)
+    v.release()
+    m.fast.page_locked = True  # what pagelock() records once CUDA has registered the heap
+    try:
+        assert ca.cuda_reachable(x)
+    finally:
+        m.fast.page_locked = False
+
+
 def test_settled_says_whether_a_reader_would_wait(m):
     x = CachedArray(np.ones(1024, np.float32), m)
     region = m.primary(x.object)
