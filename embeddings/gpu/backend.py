@@ -197,14 +197,14 @@ class CudaBackend:
 
     def asarray(self, x: Any, dtype: Any = None) -> Any:
         """On the device: CuPy arrays as they are, other device arrays (JAX) through DLPack without
-        a copy, host arrays uploaded (:meth:`upload_concat`, not CuPy's own page-locked buffer of
+        a copy, host arrays uploaded (:meth:`_upload_copy`, not CuPy's own page-locked buffer of
         exactly their size: uploads of changing sizes, such as a step's misses, would each
         page-lock fresh memory and keep it)."""
         cp = self.xp
         if type(x) is cp.ndarray and (dtype is None or x.dtype == dtype):
             return x
         if isinstance(x, np.ndarray) and x.ndim:
-            return self.upload_concat([x.reshape(-1)], x.dtype if dtype is None else dtype).reshape(x.shape)
+            return self._upload_copy(x, x.dtype if dtype is None else dtype)
         if not isinstance(x, cp.ndarray) and hasattr(x, "__dlpack__") and self.is_device(x):
             x = cp.from_dlpack(x)
         return cp.asarray(x, dtype=dtype)
@@ -275,17 +275,16 @@ class CudaBackend:
             at += b.size
         return dst
 
-    def upload_concat(self, parts: list[np.ndarray], dtype: Any) -> Any:
-        """The host arrays ``parts`` one after the other as one device array of ``dtype``: joined
-        in a :meth:`bounce` block and copied up without waiting (one copy, not a synchronous copy
-        from pageable memory per part, which also stalls other threads' launches). This thread
-        holds the block until an event says the copy has read it; then it goes back to the pool."""
-        n = sum(int(p.size) for p in parts)
-        dst = self.xp.empty(n, dtype)
-        if n == 0:
+    def _upload_copy(self, x: np.ndarray, dtype: Any) -> Any:
+        """Host ``x`` as a device array of ``dtype``: copied into a :meth:`bounce` block and up
+        without waiting (not a synchronous copy from pageable memory, which also stalls other
+        threads' launches). This thread holds the block until an event says the copy has read
+        it; then it goes back to the pool."""
+        dst = self.xp.empty(x.shape, dtype)
+        if x.size == 0:
             return dst
-        host = self.bounce((n,), dtype)
-        np.concatenate(parts, out=host, casting="unsafe")
+        host = self.bounce(x.shape, dtype)
+        np.copyto(host, x, casting="unsafe")
         self.upload(dst, host)
         held = getattr(self._local, "held", None)
         if held is None:
