@@ -108,28 +108,35 @@ def test_outputs_of_one_program_are_copied_after_the_whole_program():
         m.check()
 
 
-def test_operands_in_page_locked_host_memory_are_copied_on_the_gpu():
+def test_operands_in_page_locked_host_memory_are_copied_on_the_gpu(monkeypatch):
     """An input a policy leaves in host memory is copied up into a CuPy buffer JAX imports, and an
-    output placed there is copied down on CuPy's stream (`Executor._jax_input`, `copy_into`): the
-    chain reads every value intact and the manager's invariants hold."""
+    output placed there is copied down on CuPy's stream (`Executor._jax_input`, `copy_into`), never
+    through the host: every input read from a region is staged, every output goes through
+    `_device_copy`, the chain reads every value intact and the manager's invariants hold."""
     import jax
     from cnn.execute import Executor
     from cnn.modes import make_manager
+    staged, copied = [], []
+    keep, copy = Executor._keep_staged, Executor._device_copy
+    monkeypatch.setattr(Executor, "_keep_staged", lambda ex, done: staged.append(len(ex._staged)) or keep(ex, done))
+    monkeypatch.setattr(Executor, "_device_copy", lambda ex, w, value: copied.append(w.nbytes) or copy(ex, w, value))
     with make_manager("caLM", 4096, 64 << 20, device="gpu") as m:
         assert m.slow.page_locked
         ex = Executor(m)
-        want = np.arange(1 << 14, dtype=np.float32)
-        x = CachedArray(want, m)  # 64 KiB: no room in 4 KiB of HBM
-        assert x.device == m.slow.name
-        double, inc = jax.jit(lambda a: (a * 2, a.sum())), jax.jit(lambda a: a + 1)
+        base_np = (np.arange(1 << 14) % 1024).astype(np.float32)  # 64 KiB each: no room in 4 KiB of HBM
+        base, x = CachedArray(base_np, m), CachedArray(np.zeros(1 << 14, np.float32), m)
+        assert base.device == x.device == m.slow.name
+        step, inc = jax.jit(lambda b, a: (a * 2 + b, a.sum())), jax.jit(lambda a: a + 1)
+        want = np.zeros(1 << 14, np.float32)
         for _ in range(10):
-            y, total = ex.call(double, (x,))
-            (x,) = ex.call(inc, (y,))
+            y, total = ex.call(step, (base, x))  # base from its region; x from inc's value after the first
+            (x,) = ex.call(inc, (y,))  # y from step's value: nothing staged
             assert y.device == x.device == m.slow.name
             np.testing.assert_allclose(np.asarray(total), want.sum(dtype=np.float64), rtol=1e-6)
-            want = want * 2 + 1
+            want = want * 2 + base_np + 1
         ex.sync()
         np.testing.assert_array_equal(np.asarray(x), want)
+        assert staged == [2] + [1] * 9 and len(copied) == 30
         m.check()
 
 
