@@ -33,7 +33,7 @@ from typing import Callable
 
 import numpy as np
 
-from .devices import Device
+from .devices import DeadEnds, Device
 from .devices.perf import copy_seconds
 from .engine import Completion, CopyEngine, Waitable
 from .errors import CopyError, InvariantError, OutOfMemoryError, PinnedError, UseAfterFreeError
@@ -561,14 +561,18 @@ class Manager:
             self._live(region)
         return region.device.view(region.offset, region.nbytes)
 
-    def evictfrom(self, device: Device, region: Region, nbytes: int, callback: Callable[[Region], object]) -> bool:
+    def evictfrom(self, device: Device, region: Region, nbytes: int, callback: Callable[[Region], object],
+                  dead_ends: DeadEnds | None = None) -> bool:
         """Make ``nbytes`` contiguous bytes free on ``device`` starting the walk at ``region``.
 
         ``callback(region)`` is called for each occupied region of the span and must
         free it (typically by evicting its object) and return True, or return False to
         refuse.  Regions of pinned objects are never handed to the callback: a walk
         that would need one is planned around it, and fails (returns False) if it
-        cannot.  Returns True when the space is free.
+        cannot.  Returns True when the space is free.  ``dead_ends`` (a
+        :class:`~cachedarrays.devices.heap.DeadEnds` for ``nbytes``, kept by a caller trying
+        region after region for one request while no pin changes) skips walks that must fail
+        because an earlier one walked the same run.
         """
         with self._locked():
             dev = self._device(device)
@@ -589,7 +593,7 @@ class Manager:
                     raise InvariantError(f"eviction callback accepted {victim} but did not free it")
                 return True
 
-            done = dev.evictfrom(region.offset, nbytes, on_region, movable) is not None
+            done = dev.evictfrom(region.offset, nbytes, on_region, movable, dead_ends) is not None
             self.telemetry_data.count("evictfrom_calls")
             if not done:
                 self.telemetry_data.count("evictfrom_failures")

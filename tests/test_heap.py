@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from cachedarrays import DRAM, InvariantError, UseAfterFreeError
-from cachedarrays.devices.heap import ALIGN, PAGE, Heap, round_up
+from cachedarrays.devices.heap import ALIGN, PAGE, DeadEnds, Heap, round_up
 
 
 def fits_anywhere(heap: Heap, nbytes: int) -> bool:
@@ -114,6 +114,44 @@ def test_evictfrom_plans_around_immovable_blocks_without_calling_back():
     h.check()
 
 
+def test_dead_ends_skip_walks_inside_a_run_known_too_small():
+    h = Heap(8 * 1024)
+    offs = [h.allocate(1024) for _ in range(8)]
+    asked = []
+
+    def movable(o):
+        asked.append(o)
+        return o not in (offs[2], offs[6])
+
+    dead = DeadEnds(4 * 1024)
+    cb = lambda o, n: pytest.fail("called back")  # noqa: E731
+    assert h.evictfrom(offs[4], 4 * 1024, cb, movable, dead) is None
+    assert len(dead) == 1 and dead.covers(offs[3]) and dead.covers(offs[5]) and not dead.covers(offs[6])
+    asked.clear()
+    assert h.evictfrom(offs[3], 4 * 1024, cb, movable, dead) is None
+    assert h.evictfrom(offs[5], 4 * 1024, cb, movable, dead) is None
+    assert asked == []  # neither walked: the run [3, 6) holds 3 KiB
+    assert h.evictfrom(offs[7], 4 * 1024, cb, movable, dead) is None  # the run [7, 8) is another
+    assert len(dead) == 2
+    given = []
+    assert h.evictfrom(offs[0], 2 * 1024, lambda o, n: given.append(o) or True, movable, DeadEnds(2 * 1024)) == 0
+    assert given == offs[:2]
+    with pytest.raises(ValueError, match="dead ends recorded for 4096 bytes"):
+        h.evictfrom(offs[4], 1024, cb, movable, dead)
+    h.check()
+
+
+def test_a_walk_that_gives_blocks_up_forgets_the_dead_ends():
+    h = Heap(8 * 1024)
+    offs = [h.allocate(1024) for _ in range(8)]
+    dead = DeadEnds(2 * 1024)
+    assert h.evictfrom(offs[1], 2 * 1024, lambda o, n: False, lambda o: o not in offs[:1] + offs[2:], dead) is None
+    assert len(dead) == 1  # [1, 2): one block, walled in
+    assert h.evictfrom(offs[4], 2 * 1024, lambda o, n: True, None, dead) == offs[4]
+    assert len(dead) == 0
+    h.check()
+
+
 def test_free_inside_evictfrom_callback_is_deferred_and_counts_as_given_up():
     h = Heap(4 * 1024)
     offs = [h.allocate(1024) for _ in range(4)]
@@ -207,6 +245,31 @@ class HeapMachine(RuleBasedStateMachine):
             off = self.dev.allocate(n)
             assert off is not None
             self._fill(off, n)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), n=st.integers(1, 100000), tries=st.integers(1, 12))
+    def evict_tries(self, data, n, tries):
+        """A policy's forced eviction: victim after victim for one request, some blocks pinned,
+        with one DeadEnds. A walk it skips must fail without calling back when tried without."""
+        pinned = set(data.draw(st.sets(st.sampled_from(sorted(self.live)))))
+        movable = lambda off: off not in pinned  # noqa: E731
+        dead = DeadEnds(n)
+        for _ in range(tries):
+            start = data.draw(st.sampled_from([b.offset for b in self.dev.heap.blocks()]))
+            if dead.covers(start):
+                assert self.dev.evictfrom(start, n, lambda off, size: pytest.fail("called back"), movable) is None
+                continue
+            given_up = []
+            result = self.dev.evictfrom(start, n, lambda off, size: given_up.append(off) or True, movable, dead)
+            for off in given_up:
+                assert off not in pinned
+                del self.live[off]
+            if result is not None:
+                assert len(dead) == 0
+                off = self.dev.allocate(n)
+                assert off is not None
+                self._fill(off, n)
+            self.dev.check()
 
     @rule()
     def defragment(self):

@@ -93,6 +93,26 @@ def test_pinned_objects_are_never_evicted():
     m.check()
 
 
+def test_forced_eviction_walks_each_run_between_pinned_objects_once():
+    m = make(LRUPolicy(), fast="64KiB")
+    xs = [CachedArray(np.full(1024, i, np.float32), m) for i in range(16)]  # 4 KiB each: DRAM is full
+    assert all(where(m, x) == "DRAM" for x in xs)
+    views = [readable(xs[i]) for i in (3, 7, 11)]  # walls: runs of 12, 12, 12 and 16 KiB
+    m.reset_telemetry()
+    y = CachedArray(np.full(4096, -1, np.float32), m)  # 16 KiB: only the last run holds it
+    assert where(m, y) == "DRAM"
+    c = counters(m)
+    # least recent first: 0 walks [0, 3) and fails, 1 and 2 are skipped; so for 4 and 8; 12 succeeds
+    assert c["forced_evictfrom"] == 4 and c["forced_evictfrom_skipped"] == 6 and c["evictfrom_failures"] == 3
+    assert [where(m, x) for x in xs] == ["DRAM"] * 12 + ["PM"] * 4
+    for v in views:
+        v.release()
+    for i, x in enumerate(xs):
+        assert np.all(np.asarray(x) == i)
+    assert np.all(np.asarray(y) == -1)
+    m.check()
+
+
 def test_out_of_memory_names_sizes():
     m = make(LRUPolicy(), fast="256KiB", slow="1MiB")
     with pytest.raises(OutOfMemoryError, match=r"requested 2000000 bytes .*larger than every level \(DRAM 256.0 KiB, PM 1.0 MiB\)"):

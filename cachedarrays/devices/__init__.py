@@ -6,8 +6,8 @@
 from .device import Device
 from .dram import DRAM
 from .gpu import GPU
-from .heap import ALIGN, PAGE, Block, Heap
+from .heap import ALIGN, PAGE, Block, DeadEnds, Heap
 from .perf import Bandwidth, PROFILES
 from .pm import PM
 
-__all__ = ["ALIGN", "PAGE", "Bandwidth", "Block", "DRAM", "Device", "GPU", "Heap", "PM", "PROFILES"]
+__all__ = ["ALIGN", "PAGE", "Bandwidth", "Block", "DeadEnds", "DRAM", "Device", "GPU", "Heap", "PM", "PROFILES"]

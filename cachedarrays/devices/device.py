@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from .heap import Heap, PAGE
+from .heap import DeadEnds, Heap, PAGE
 from .perf import Bandwidth
 
 
@@ -85,9 +85,9 @@ class Device:
         self.heap.free(offset)
 
     def evictfrom(self, start: int, nbytes: int, callback: Callable[[int, int], object],
-                  movable: Callable[[int], bool] | None = None) -> int | None:
+                  movable: Callable[[int], bool] | None = None, dead_ends: DeadEnds | None = None) -> int | None:
         self._check_open()
-        return self.heap.evictfrom(start, nbytes, callback, movable)
+        return self.heap.evictfrom(start, nbytes, callback, movable, dead_ends)
 
     def defragment(self, move_callback: Callable[[int, int, int], None]) -> list[tuple[int, int, int]]:
         """Compact the heap; bytes are moved here, before ``move_callback`` updates references."""

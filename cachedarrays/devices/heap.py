@@ -14,6 +14,7 @@ Requests of at least ``PAGE`` bytes start on a page boundary; smaller ones on a
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from typing import Callable, Iterator, NamedTuple
 
 from ..errors import InvariantError, OutOfMemoryError, UseAfterFreeError
@@ -32,6 +33,41 @@ def round_up(n: int, a: int) -> int:
 def alignment_for(nbytes: int) -> int:
     """The start alignment a request of ``nbytes`` gets: a page for large ones, 64 B otherwise."""
     return PAGE if nbytes >= PAGE else ALIGN
+
+
+class DeadEnds:
+    """Spans of a heap where room for one request size cannot be made: each a maximal run of
+    free and movable blocks (between immovable blocks or the heap's ends) that a failed eviction
+    plan walked in full and found too small. A walk started anywhere inside one would walk the
+    same run and fail the same way, so :meth:`Heap.evictfrom` given a ``DeadEnds`` fails such a
+    walk at once. A policy trying victim after victim for one request (most of them inside a few
+    runs walled in by pinned objects) then walks each run once, not once per victim.
+
+    Valid while the heap and what is movable stay as they were: the heap forgets every run when a
+    walk hands blocks to its callback; a caller whose pins change makes a new one."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._lo: list[int] = []
+        self._hi: list[int] = []
+
+    def covers(self, offset: int) -> bool:
+        """Whether ``offset`` lies in a run known too small."""
+        i = bisect_right(self._lo, offset) - 1
+        return i >= 0 and offset < self._hi[i]
+
+    def add(self, lo: int, hi: int) -> None:
+        """Record ``[lo, hi)``, a run too small (runs never overlap: each is maximal)."""
+        i = bisect_right(self._lo, lo)
+        self._lo.insert(i, lo)
+        self._hi.insert(i, hi)
+
+    def clear(self) -> None:
+        self._lo.clear()
+        self._hi.clear()
+
+    def __len__(self) -> int:
+        return len(self._lo)
 
 
 def _bin(size: int) -> int:
@@ -249,6 +285,7 @@ class Heap:
         nbytes: int,
         callback: Callable[[int, int], object],
         movable: Callable[[int], bool] | None = None,
+        dead_ends: DeadEnds | None = None,
     ) -> int | None:
         """Make room for ``nbytes`` contiguous bytes by reclaiming the blocks around ``start``.
 
@@ -262,16 +299,27 @@ class Heap:
         its offset is returned.  If a callback refuses (returns falsy) or raises,
         the blocks already given up are freed, the rest stay as they were, and None
         is returned (or the exception propagates).
+
+        ``dead_ends`` (for ``nbytes``): a failed plan records its run there, and a walk starting
+        in a recorded run fails without walking; a walk that calls back clears it.
         """
         self._validate_request(nbytes)
         if start not in self._size:
             raise ValueError(f"evictfrom: offset {start} is not the start of a block")
         if self._walk_depth:
             raise RuntimeError("evictfrom cannot be nested on the same heap")
-        span = self._plan_span(start, round_up(nbytes, ALIGN), alignment_for(nbytes), movable)
-        if span is None:
+        if dead_ends is not None:
+            if dead_ends.nbytes != nbytes:
+                raise ValueError(f"evictfrom: dead ends recorded for {dead_ends.nbytes} bytes, asked for {nbytes}")
+            if dead_ends.covers(start):
+                return None
+        lo, hi, found = self._plan_span(start, round_up(nbytes, ALIGN), alignment_for(nbytes), movable)
+        if not found:
+            if dead_ends is not None and lo < hi:
+                dead_ends.add(lo, hi)
             return None
-        lo, hi = span
+        if dead_ends is not None:
+            dead_ends.clear()
         victims = [b.offset for b in self._blocks_in(lo, hi) if not b.free]
         accepted: list[int] = []
         refused = True
@@ -310,7 +358,14 @@ class Heap:
             yield b
             offset += b.size
 
-    def _plan_span(self, start: int, need: int, align: int, movable: Callable[[int], bool] | None) -> tuple[int, int] | None:
+    def _can_take(self, offset: int, movable: Callable[[int], bool] | None) -> bool:
+        return offset not in self._requested or movable is None or bool(movable(offset))
+
+    def _plan_span(self, start: int, need: int, align: int,
+                   movable: Callable[[int], bool] | None) -> tuple[int, int, bool]:
+        """``(lo, hi, True)``: the span around ``start`` to give up for ``need`` bytes; else
+        ``(lo, hi, False)``: the run walked in full, its takeable blocks up to immovable ones
+        (or the heap's ends), too small."""
         def can_take(offset: int) -> bool:
             return offset not in self._requested or movable is None or bool(movable(offset))
 
@@ -320,9 +375,9 @@ class Heap:
         while not self._fits(lo, hi - lo, need, align):
             prev = self._prev[lo]
             if prev < 0 or not can_take(prev):
-                return None
+                return lo, hi, False
             lo = prev
-        return lo, hi
+        return lo, hi, True
 
     def defragment(self, move_callback: Callable[[int, int, int], None]) -> list[tuple[int, int, int]]:
         """Slide occupied blocks toward offset 0, leaving one free block at the top.

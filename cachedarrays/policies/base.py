@@ -26,7 +26,7 @@ from __future__ import annotations
 import gc
 from typing import Iterable, Iterator
 
-from ..devices import Device
+from ..devices import DeadEnds, Device
 from ..errors import InvariantError, OutOfMemoryError, PinnedError
 from ..manager import Manager, Object, Region
 from ..units import format_size
@@ -325,6 +325,7 @@ class Policy:
                 raise OutOfMemoryError(f"{device.name} heap exhausted: {device.heap.exhausted_message(nbytes)}")
             return region
         pinned_seen = 0
+        dead_ends = DeadEnds(nbytes)  # no pin changes while victims are tried
         for victim in self._candidates(device, nbytes):
             if m.pinned(victim):
                 pinned_seen += 1
@@ -332,8 +333,11 @@ class Policy:
             start = m.getlinked(m.primary(victim), device)
             if start is None:
                 continue
+            if dead_ends.covers(start.offset):
+                m.record("forced_evictfrom_skipped")
+                continue
             m.record("forced_evictfrom")
-            if m.evictfrom(device, start, nbytes, self._evict_callback):
+            if m.evictfrom(device, start, nbytes, self._evict_callback, dead_ends):
                 region = m.allocate(device, nbytes)
                 if region is not None:
                     return region
