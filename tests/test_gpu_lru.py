@@ -779,7 +779,7 @@ def assert_same_traces(a: list, b: list) -> None:
                 np.testing.assert_array_equal(p, q, err_msg=f"step {step}, table {i}: {name}")
 
 
-def test_a_table_batched_prefetch_makes_each_tables_own_decisions():
+def test_a_table_batched_prefetch_makes_each_tables_own_decisions(monkeypatch):
     together, runs = trace_tables(host_manager(), True)
     alone, _ = trace_tables(host_manager(), False)
     # all three placed at once (a row left out), and other placements where every row found a way
@@ -788,6 +788,18 @@ def test_a_table_batched_prefetch_makes_each_tables_own_decisions():
     for reads in ("staged", "split"):
         other, _ = trace_tables(host_manager(), True, reads=reads)
         assert_same_traces(other, alone)
+    calls = []  # staged reads gathered piece by piece, each piece copied up on its own
+    gather = LG.gather_rows
+    monkeypatch.setattr(LG, "gather_rows", lambda jobs: calls.append(jobs) or gather(jobs))
+    monkeypatch.setattr(LG, "READ_PIECE_ROWS", 1)
+    counted = []
+    for pieces in (1, 4):
+        calls.clear()
+        monkeypatch.setattr(LG, "READ_PIECES", pieces)
+        other, _ = trace_tables(host_manager(), True, reads="staged")
+        assert_same_traces(other, alone)
+        counted.append(len(calls))
+    assert counted[1] > 3 * counted[0]  # reads of four rows or more, in four pieces
 
 
 @pytest.mark.gpu
