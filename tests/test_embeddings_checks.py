@@ -1,6 +1,7 @@
 """Validation kernels: blockwise vectorised scans must report exactly the first bad position."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -28,6 +29,34 @@ def test_first_out_of_range_is_exact(L, n, dtype, bad, seed):
         out = np.full(L, -7, out_type)
         assert C.copy_checked(idx, n, out) == want
         assert np.array_equal(out, idx.astype(out_type))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 70000), st.integers(1, 2**40), st.sampled_from([np.int32, np.int64]),
+                          st.sampled_from([np.int32, np.int64]), st.floats(0, 1), st.booleans()), max_size=5),
+       st.integers(0, 2**31))
+def test_copy_checked_each_is_copy_checked_of_every_array(arrays, seed):
+    rng = np.random.default_rng(seed)
+    srcs, bounds, outs, want = [], [], [], []
+    for L, n, src_type, out_type, frac, bad in arrays:
+        n = min(n, np.iinfo(src_type).max, np.iinfo(out_type).max)
+        idx = rng.integers(0, n, L).astype(src_type)
+        if bad and L:
+            idx[int(frac * (L - 1))] = -1
+        srcs.append(idx), bounds.append(n), outs.append(np.full(L, -7, out_type))
+        want.append(C.copy_checked(idx, n, np.empty(L, out_type)))
+    got = C.copy_checked_each(srcs, bounds, outs)
+    assert got.tolist() == want
+    for idx, out in zip(srcs, outs):
+        assert np.array_equal(out, idx.astype(out.dtype))
+
+
+def test_copy_checked_each_refuses_arrays_it_cannot_copy():
+    a = np.arange(10, dtype=np.int32)
+    with pytest.raises(ValueError, match="array 1 must be 1-d and contiguous, into one of its length"):
+        C.copy_checked_each([a, a], [10, 10], [np.empty(10, np.int32), np.empty(9, np.int32)])
+    with pytest.raises(ValueError, match="array 0 must be 1-d and contiguous"):
+        C.copy_checked_each([a[::2]], [10], [np.empty(5, np.int32)])
 
 
 @settings(max_examples=60, deadline=None)

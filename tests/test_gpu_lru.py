@@ -559,9 +559,10 @@ def test_a_prefetched_batch_is_range_checked_once_and_any_other_batch_at_its_loo
     want_a, want_b = ref.lookup(a), ref.lookup(b)
     import embeddings.gpu.lru as LRU
     checked = []
-    check, copy = EB.out_of_range, LRU.copy_checked
+    check, copy = EB.out_of_range, LRU.copy_checked_each
     monkeypatch.setattr(EB, "out_of_range", lambda flat, n: checked.append(flat.size) or check(flat, n))
-    monkeypatch.setattr(LRU, "copy_checked", lambda flat, n, out: checked.append(flat.size) or copy(flat, n, out))
+    monkeypatch.setattr(LRU, "copy_checked_each",
+                        lambda flats, n, outs: checked.extend(f.size for f in flats) or copy(flats, n, outs))
     prefetch(t, a.ravel())
     assert checked == [80]  # as the prefetch copies the batch for the device
     checked.clear()

@@ -70,6 +70,21 @@ def first_out_of_range(idx, n):
     return _first_found(firsts)
 
 
+@njit(cache=True, inline="always")
+def _copy_checked_in(idx, out, lo, hi, n):
+    """``out[lo:hi] = idx[lo:hi]`` and the smallest position there outside [0, n) (or -1)."""
+    first = -1
+    for b in range(lo, hi, BLOCK):
+        e = min(b + BLOCK, hi)
+        if first < 0 and not _block_in_range(idx, b, e, n):
+            first = _first_out_of_range_in(idx, b, e, n)
+        src = carray(address_as_pointer(idx.ctypes.data + b * idx.itemsize, idx), e - b)
+        dst = carray(address_as_pointer(out.ctypes.data + b * out.itemsize, out), e - b)
+        for p in range(e - b):  # raw views from 0: plain vector loads and stores
+            dst[p] = src[p]
+    return first
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def copy_checked(idx, n, out):
     """``out[:] = idx`` (converted to ``out``'s type) and the smallest position whose index is
@@ -80,16 +95,47 @@ def copy_checked(idx, n, out):
     nc = 16 if L >= 1 << 16 else 1
     firsts = np.full(nc, -1, np.int64)
     for c in prange(nc):
-        lo, hi = c * L // nc, (c + 1) * L // nc
-        for b in range(lo, hi, BLOCK):
-            e = min(b + BLOCK, hi)
-            if firsts[c] < 0 and not _block_in_range(idx, b, e, n):
-                firsts[c] = _first_out_of_range_in(idx, b, e, n)
-            src = carray(address_as_pointer(idx.ctypes.data + b * idx.itemsize, idx), e - b)
-            dst = carray(address_as_pointer(out.ctypes.data + b * out.itemsize, out), e - b)
-            for p in range(e - b):  # raw views from 0: plain vector loads and stores
-                dst[p] = src[p]
+        firsts[c] = _copy_checked_in(idx, out, c * L // nc, (c + 1) * L // nc, n)
     return _first_found(firsts)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _copy_checked_each(src_at, sizes, bounds, dst_at, like_src, like_dst):  # pragma: no cover - numba only
+    T = sizes.size
+    firsts = np.full((T, 16), -1, np.int64)
+    for p in prange(T * 16):
+        t, c = p // 16, p % 16
+        L = sizes[t]
+        nc = 16 if L >= 1 << 16 else 1
+        if c < nc:
+            idx = carray(address_as_pointer(src_at[t], like_src), L)
+            out = carray(address_as_pointer(dst_at[t], like_dst), L)
+            firsts[t, c] = _copy_checked_in(idx, out, c * L // nc, (c + 1) * L // nc, bounds[t])
+    result = np.full(T, -1, np.int64)
+    for t in range(T):
+        result[t] = _first_found(firsts[t])
+    return result
+
+
+def copy_checked_each(srcs: list[np.ndarray], bounds: list[int], outs: list[np.ndarray]) -> np.ndarray:
+    """:func:`copy_checked` of every ``(srcs[t], bounds[t], outs[t])`` in one parallel pass (one
+    wake-up of the threads, not one per array: a DLRM step checks eight tables' batches this
+    way); each the first bad position of its array, or -1. The arrays are 1-d and contiguous, each
+    ``outs[t]`` as long as ``srcs[t]``; those of one type are passed to one kernel."""
+    result = np.full(len(srcs), -1, np.int64)
+    kinds: dict = {}
+    for t, (src, out) in enumerate(zip(srcs, outs)):
+        if src.ndim != 1 or out.shape != src.shape or not (src.flags.c_contiguous and out.flags.c_contiguous):
+            raise ValueError(f"copy_checked_each: array {t} must be 1-d and contiguous, into one of its length")
+        kinds.setdefault((src.dtype, out.dtype), []).append(t)
+    for ts in kinds.values():
+        at = np.array(ts)
+        result[at] = _copy_checked_each(np.array([srcs[t].ctypes.data for t in ts], np.int64),
+                                        np.array([srcs[t].size for t in ts], np.int64),
+                                        np.array([bounds[t] for t in ts], np.int64),
+                                        np.array([outs[t].ctypes.data for t in ts], np.int64),
+                                        srcs[ts[0]], outs[ts[0]])
+    return result
 
 
 @njit(cache=True, nogil=True)
