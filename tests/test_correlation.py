@@ -160,6 +160,9 @@ def test_belady_victims_furthest_next_use_first_and_never_again_before_all():
     assert [v.id for v in pol.victims_on(m.fast, N)] == [stray.object.id] + [ids[i] for i in (3, 2, 1)]
     use(X[1], clock)                                   # cursor at B: B goes to the back of the line
     assert [v.id for v in pol.victims_on(m.fast, N)] == [stray.object.id] + [ids[i] for i in (1, 3, 2)]
+    m.pin(X[3].object), m.pin(stray.object)           # pinned (no use): last, whatever their rank
+    assert [v.id for v in pol.victims_on(m.fast, N)] == [ids[i] for i in (1, 2)] + [ids[3], stray.object.id]
+    m.unpin(X[3].object), m.unpin(stray.object)
     other = CachedArray(np.zeros(N, np.float32), m)    # the object never used again goes first
     assert stray.device == "PM" and places(X) == ["PM", "DRAM", "DRAM", "DRAM"] and other.device == "DRAM"
     m.check()
