@@ -94,6 +94,9 @@ class Executor:
         self._ordered: tuple = ()  # the last kernel's outputs that CuPy's stream waits for
         self._fresh: dict = {}  # object id -> the JAX value the last kernel stored into it (see `run`)
         self._staged: list = []  # the running kernel's inputs copied up from host memory (CuPy buffers)
+        # in-place updates reach every level: the host's code any host memory, CUDA's its own and page-locked
+        self._writes_in_place = not self.gpu or all(d.memory_space != "host" or d.page_locked
+                                                    for d in self.manager.levels)
 
     def _where(self, x: CachedArray) -> bool:
         return x.policy.in_fast(x.object)
@@ -258,10 +261,57 @@ class Executor:
         return tuple(self.store(h) for h in self.run(kernel, inputs, *args, **static))
 
     def call_into(self, kernel: Callable, inputs: Sequence[CachedArray], targets: Sequence[CachedArray],
-                  *args: Any, **static: Any) -> None:
-        """`run`, then write the outputs into existing ``targets`` (in-place updates: SGD, accumulation)."""
+                  *args: Any, in_place: Any = None, **static: Any) -> None:
+        """`run`, then write the outputs into existing ``targets`` (in-place updates: SGD, accumulation).
+
+        ``in_place`` (a `cnn.inplace.InPlace`, for targets that are all among the inputs): the same
+        update written into the targets' bytes where they are, without a kernel dispatch or output
+        copies, when every level of the manager is reachable from the code that runs it (the host,
+        or on a GPU its memory and page-locked host memory); the kernel is still what `tape` records."""
+        if in_place is not None and self._writes_in_place:
+            self._update_in_place(in_place, kernel, inputs, targets, args, static)
+            return
         for t, h in zip(targets, self.run(kernel, inputs, *args, **static)):
             self.copy_into(t, h)
+
+    def _update_in_place(self, in_place: Any, kernel: Callable, inputs: Sequence[CachedArray],
+                         targets: Sequence[CachedArray], args: tuple, static: dict) -> None:
+        t0 = time.perf_counter()
+        written = {t.object.id for t in targets}
+        if not written <= {x.object.id for x in inputs}:
+            raise ValueError("an in-place update writes only objects among its inputs")
+        views: dict[int, CachedArray] = {}
+        try:
+            for x in inputs:
+                if x.object.id not in views:
+                    views[x.object.id] = writable(x) if x.object.id in written else readable(x)
+            st = self.stats
+            for v in views.values():  # every operand is read; the targets are written too
+                fast = self._where(v)
+                if fast:
+                    st.read_fast += v.nbytes
+                    st.written_fast += v.nbytes if v.object.id in written else 0
+                else:
+                    st.read_slow += v.nbytes
+                    st.written_slow += v.nbytes if v.object.id in written else 0
+            if self.tape is not None:
+                self.tape.append((kernel, [(x.shape, x.dtype) for x in inputs], args, static))
+            ops = [views[x.object.id] for x in inputs]
+            if self.gpu:
+                import cupy as cp
+                stream = cp.cuda.get_current_stream()
+                in_place.cuda([device_pointer(v, stream) for v in ops], [v.size for v in ops], *args)
+            else:
+                in_place.host([v.array for v in ops], *args)
+        finally:
+            uses = release_together(list(views.values()))
+        if self.timeline is not None and uses:
+            self.timeline.note(uses[-1].cuda_event)
+        for t in targets:
+            self._fresh.pop(t.object.id, None)
+        self._working_set(sum(v.nbytes for v in views.values()), getattr(kernel, "__name__", "kernel"))
+        self.stats.calls += 1
+        self.stats.seconds += time.perf_counter() - t0
 
     def sync(self) -> None:
         """Wait until every kernel and output copy dispatched so far is done (the end of a step)."""

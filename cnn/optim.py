@@ -1,8 +1,10 @@
 """SGD with optional momentum; weights, gradients and momentum buffers are all CachedArrays.
 
-The step is a kernel like any other: its inputs are handed over zero-copy and
-its outputs overwrite the weight and momentum objects in place, so the
-parameters keep their identity (and their place in the policy's order).
+The step overwrites the weight and momentum objects in place, so the parameters
+keep their identity (and their place in the policy's order): written where they
+are by `cnn.inplace.SGD` (a numba loop on the host, one CUDA kernel a group on
+the GPU), or, where the executor cannot reach every level that way, as a kernel
+like any other whose outputs are copied into them.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import numpy as np
 
 from cachedarrays import CachedArray
 
-from . import kernels as K
+from . import inplace, kernels as K
 from .annotate import Annotations
 from .execute import Executor
 
@@ -57,7 +59,8 @@ class SGD:
             gs = [g for _, g in group]
             vs = [self.state.get(p.object.id) for p in ps]
             if any(v is None for v in vs):
-                ann.update(ex, lambda: ex.call_into(K.sgd_steps, (*ps, *gs), ps, self.lr), (ps, gs), gs)
+                ann.update(ex, lambda: ex.call_into(K.sgd_steps, (*ps, *gs), ps, self.lr, in_place=inplace.SGD),
+                           (ps, gs), gs)
             else:
                 ann.update(ex, lambda: ex.call_into(K.sgd_momentum_steps, (*ps, *gs, *vs), (*ps, *vs), self.lr,
-                                                    self.momentum), (ps, gs, vs), gs)
+                                                    self.momentum, in_place=inplace.SGD), (ps, gs, vs), gs)

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cachedarrays import DRAM, PM, CachedArray, CorrelationPrefetchPolicy, LRUPolicy, Manager, TwoLevelCachePolicy
 from cnn import kernels as K
@@ -421,3 +423,42 @@ def test_a_recorded_step_replays_the_same_kernels_in_order_on_bare_arrays():
             assert got[:len(inputs)] == [(shape, np.dtype(dt)) for shape, dt in inputs]
     finally:
         s.close()
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 3000), min_size=1, max_size=5), st.booleans(), st.floats(1e-4, 1.0), st.integers(0, 2**31))
+def test_in_place_sgd_is_the_sgd_kernels_bit_for_bit(sizes, momentum, lr, seed):
+    from cnn import inplace
+    rng = np.random.default_rng(seed)
+    groups = 3 if momentum else 2
+    arrays = [(rng.standard_normal(n) * 10.0 ** rng.integers(-3, 4)).astype(np.float32)
+              for _ in range(groups) for n in sizes]
+    lr, mu = np.float32(lr), np.float32(0.9)
+    want = K.sgd_momentum_steps(*arrays, lr, mu) if momentum else K.sgd_steps(*arrays, lr)
+    got = [a.copy() for a in arrays]
+    inplace.sgd_host(got, lr, mu if momentum else None)
+    n = len(sizes)
+    written = got[:n] + (got[2 * n:] if momentum else [])
+    for w, g in zip(want, written):
+        np.testing.assert_array_equal(np.asarray(w), g)
+    for a, b in zip(got[n:2 * n], arrays[n:2 * n]):  # the gradients are only read
+        np.testing.assert_array_equal(a, b)
+
+
+def test_an_in_place_update_writes_its_targets_where_they_are_and_records_the_kernel(manager):
+    from cnn import inplace
+    ex = Executor(manager, tape=[])
+    w = CachedArray(np.arange(1000, dtype=np.float32), manager)
+    g = CachedArray(np.ones(1000, np.float32), manager)
+    v = CachedArray(np.full(1000, 2, np.float32), manager)
+    before = manager.primary(w.object)
+    ex.call_into(K.sgd_momentum_steps, (w, g, v), (w, v), np.float32(0.5), np.float32(0.9), in_place=inplace.SGD)
+    assert manager.primary(w.object) is before  # the same bytes, written where they are
+    np.testing.assert_array_equal(np.asarray(v), np.full(1000, 2.8, np.float32))
+    np.testing.assert_array_equal(np.asarray(w), np.arange(1000, dtype=np.float32) - np.float32(0.5) * np.float32(2.8))
+    assert ex.stats.calls == 1 and ex.stats.written_fast == 8000 and ex.stats.read_fast == 12000
+    assert [k for k, *_ in ex.tape] == [K.sgd_momentum_steps]  # replayed as the kernel it stands for
+    with pytest.raises(ValueError, match="writes only objects among its inputs"):
+        ex.call_into(K.sgd_steps, (w, g), (v,), np.float32(0.5), in_place=inplace.SGD)
+    np.testing.assert_array_equal(np.asarray(v), np.full(1000, 2.8, np.float32))  # nothing written
+    manager.check()

@@ -140,6 +140,42 @@ def test_operands_in_page_locked_host_memory_are_copied_on_the_gpu(monkeypatch):
         m.check()
 
 
+@pytest.mark.parametrize("hbm", [64 << 20, 4096])
+def test_in_place_sgd_on_the_gpu_is_the_jax_kernel_bit_for_bit(hbm):
+    """`cnn.inplace.SGD` through the executor on operands in HBM (a 64 MiB budget) and in
+    page-locked host memory (4 KiB of HBM: nothing fits), with and without momentum: the same
+    bits as the JAX kernels, the targets written where they are, the gradients untouched."""
+    from cnn import inplace
+    from cnn import kernels as K
+    from cnn.execute import Executor
+    from cnn.modes import make_manager
+    rng = np.random.default_rng(5)
+    sizes = [1000, 1, 70000, 0, 513]
+    n, lr, mu = len(sizes), np.float32(0.05), np.float32(0.9)
+    with make_manager("caLM", hbm, 64 << 20, device="gpu") as m:
+        ex = Executor(m)
+        assert ex._writes_in_place
+        for momentum in (False, True):
+            host = [(rng.standard_normal(k) * 100).astype(np.float32) for _ in range(3 if momentum else 2) for k in sizes]
+            xs = [CachedArray(a, m) for a in host]
+            kernel, args = (K.sgd_momentum_steps, (lr, mu)) if momentum else (K.sgd_steps, (lr,))
+            want = [np.asarray(w) for w in kernel(*host, *args)]
+            targets = xs[:n] + (xs[2 * n:] if momentum else [])
+            regions = [m.primary(t.object) for t in targets]
+            ex.call_into(kernel, xs, targets, *args, in_place=inplace.SGD)
+            ex.sync()
+            assert [m.primary(t.object) for t in targets] == regions
+            if hbm > 4096:
+                assert all(t.device == m.fast.name for t in targets)
+            else:  # 280 KB cannot be in 4 KiB of HBM
+                assert targets[2].device == m.slow.name and m.slow.page_locked
+            for w, t in zip(want, targets):
+                np.testing.assert_array_equal(np.asarray(t), w)
+            for g, a in zip(xs[n:2 * n], host[n:2 * n]):
+                np.testing.assert_array_equal(np.asarray(g), a)
+        m.check()
+
+
 def test_whole_jit_baseline_trains_the_same_model():
     import jax
     from cachedarrays import DRAM, PM, LRUPolicy, Manager
