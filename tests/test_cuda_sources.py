@@ -61,7 +61,8 @@ def test_a_broken_source_is_reported_with_nvrtcs_log():
 
 LAUNCHERS = {"embeddings.gpu.cuda": "embeddings/gpu/backend.py",  # module with the source: the code launching it
              "embeddings.gpu.lru_kernels": "embeddings/gpu/lru_kernels.py",
-             "embeddings.gpu.lru_group": "embeddings/gpu/lru_group.py"}
+             "embeddings.gpu.lru_group": "embeddings/gpu/lru_group.py",
+             "cnn.inplace": "cnn/inplace.py"}
 
 
 def launched(path: str) -> set[str]:
