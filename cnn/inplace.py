@@ -73,31 +73,22 @@ __device__ __forceinline__ int tensor_of(const long long* start, int T, long lon
     return lo;
 }
 
-/* ptr: w1..wT, g1..gT (, v1..vT); start: T + 1 offsets */
-extern "C" __global__ void sgd_plain(const long long* ptr, const long long* start, int T, float lr) {
+/* ptr: w1..wT, g1..gT (, v1..vT when momentum); start: T + 1 offsets */
+extern "C" __global__ void sgd_update(const long long* ptr, const long long* start, int T, float lr, float mu,
+                                      int momentum) {
     long long total = start[T];
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
         int t = tensor_of(start, T, i);
         long long j = i - start[t];
         float* w = (float*)ptr[t];
-        const float* g = (const float*)ptr[T + t];
-        w[j] = __fsub_rn(w[j], __fmul_rn(lr, g[j]));
-    }
-}
-
-extern "C" __global__ void sgd_momentum(const long long* ptr, const long long* start, int T, float lr, float mu) {
-    long long total = start[T];
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += (long long)gridDim.x * blockDim.x) {
-        int t = tensor_of(start, T, i);
-        long long j = i - start[t];
-        float* w = (float*)ptr[t];
-        const float* g = (const float*)ptr[T + t];
-        float* v = (float*)ptr[2 * T + t];
-        float nv = __fadd_rn(__fmul_rn(mu, v[j]), g[j]);
-        v[j] = nv;
-        w[j] = __fsub_rn(w[j], __fmul_rn(lr, nv));
+        float step = ((const float*)ptr[T + t])[j];
+        if (momentum) {
+            float* v = (float*)ptr[2 * T + t];
+            step = __fadd_rn(__fmul_rn(mu, v[j]), step);
+            v[j] = step;
+        }
+        w[j] = __fsub_rn(w[j], __fmul_rn(lr, step));
     }
 }
 """
@@ -137,11 +128,8 @@ def sgd_cuda(pointers: Sequence[int], sizes: Sequence[int], lr: np.float32, mu: 
     table = _table(pointers, sizes[:n])
     start = table[len(pointers):]
     blocks = min(4096, -(-total // 256))
-    if mu is None:
-        _module.get_function("sgd_plain")((blocks,), (256,), (table, start, np.int32(n), np.float32(lr)))
-    else:
-        _module.get_function("sgd_momentum")((blocks,), (256,), (table, start, np.int32(n), np.float32(lr),
-                                                                 np.float32(mu)))
+    _module.get_function("sgd_update")((blocks,), (256,), (table, start, np.int32(n), np.float32(lr),
+                                                           np.float32(0 if mu is None else mu), np.int32(mu is not None)))
 
 
 class InPlace:
