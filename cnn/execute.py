@@ -267,8 +267,9 @@ class Executor:
         ``in_place`` (a `cnn.inplace.InPlace`, for targets that are all among the inputs): the same
         update written into the targets' bytes where they are, without a kernel dispatch or output
         copies, when every level of the manager is reachable from the code that runs it (the host,
-        or on a GPU its memory and page-locked host memory); the kernel is still what `tape` records."""
-        if in_place is not None and self._writes_in_place:
+        or on a GPU its memory and page-locked host memory) and every operand has the type it
+        takes; the kernel is still what `tape` records."""
+        if in_place is not None and self._writes_in_place and all(x.dtype == in_place.dtype for x in inputs):
             self._update_in_place(in_place, kernel, inputs, targets, args, static)
             return
         for t, h in zip(targets, self.run(kernel, inputs, *args, **static)):

@@ -134,10 +134,11 @@ def sgd_cuda(pointers: Sequence[int], sizes: Sequence[int], lr: np.float32, mu: 
 
 class InPlace:
     """An update the executor may run in place of a kernel whose outputs overwrite its targets:
-    ``host(arrays, *args)`` on host arrays, ``cuda(pointers, sizes, *args)`` on device addresses."""
+    ``host(arrays, *args)`` on host arrays, ``cuda(pointers, sizes, *args)`` on device addresses,
+    for operands of ``dtype`` only (others go through the kernel)."""
 
-    def __init__(self, host, cuda) -> None:
-        self.host, self.cuda = host, cuda
+    def __init__(self, host, cuda, dtype) -> None:
+        self.host, self.cuda, self.dtype = host, cuda, np.dtype(dtype)
 
 
-SGD = InPlace(sgd_host, sgd_cuda)
+SGD = InPlace(sgd_host, sgd_cuda, np.float32)

@@ -461,4 +461,8 @@ def test_an_in_place_update_writes_its_targets_where_they_are_and_records_the_ke
     with pytest.raises(ValueError, match="writes only objects among its inputs"):
         ex.call_into(K.sgd_steps, (w, g), (v,), np.float32(0.5), in_place=inplace.SGD)
     np.testing.assert_array_equal(np.asarray(v), np.full(1000, 2.8, np.float32))  # nothing written
+    w16, g16 = CachedArray(np.ones(10, np.float16), manager), CachedArray(np.full(10, 4, np.float16), manager)
+    ex.call_into(K.sgd_steps, (w16, g16), (w16,), np.float16(0.5), in_place=inplace.SGD)  # float16: by the kernel
+    np.testing.assert_array_equal(np.asarray(w16), np.full(10, -1, np.float16))
+    assert ex.stats.calls == 2
     manager.check()

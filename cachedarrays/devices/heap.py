@@ -358,9 +358,6 @@ class Heap:
             yield b
             offset += b.size
 
-    def _can_take(self, offset: int, movable: Callable[[int], bool] | None) -> bool:
-        return offset not in self._requested or movable is None or bool(movable(offset))
-
     def _plan_span(self, start: int, need: int, align: int,
                    movable: Callable[[int], bool] | None) -> tuple[int, int, bool]:
         """``(lo, hi, True)``: the span around ``start`` to give up for ``need`` bytes; else

@@ -376,8 +376,9 @@ class CorrelationPrefetchPolicy(LRUPolicy):
         if device is not self.fast:  # copies kept below faster primaries take room here too
             for obj in self.m.objects_on(device):
                 found.setdefault(obj.id, obj)
-        pinned = [o for o in found.values() if self.m.pinned(o)]
-        free = [o for o in found.values() if not self.m.pinned(o)] if pinned else list(found.values())
+        free, pinned = [], []
+        for o in found.values():
+            (pinned if self.m.pinned(o) else free).append(o)
         return sorted(free, key=lambda o: -self.eviction_rank(o, device)) + pinned  # stable: LRU among ties
 
     # ------------------------------------------------------------------ recording and look-ahead
