@@ -94,7 +94,7 @@ extern "C" __global__ void sgd_update(const long long* ptr, const long long* sta
 """
 
 _module = None
-_tables: dict[tuple, object] = {}  # (addresses, sizes) -> the table on the device
+_tables: dict[tuple, object] = {}  # (device, addresses, sizes) -> the table on that device
 TABLES_KEPT = 1024
 
 
@@ -102,7 +102,7 @@ def _table(pointers: Sequence[int], sizes: Sequence[int]):
     """The device table of ``pointers`` and the tensors' start offsets, made once per layout (a
     parameter group's addresses stay the same from step to step while nothing moves it)."""
     import cupy as cp
-    key = (tuple(pointers), tuple(sizes))
+    key = (cp.cuda.Device().id, tuple(pointers), tuple(sizes))
     table = _tables.get(key)
     if table is None:
         starts = np.concatenate([[0], np.cumsum(sizes)])
