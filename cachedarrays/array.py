@@ -379,9 +379,8 @@ def _jax_device(index: int):
 
 def cuda_reachable(x: CachedArray) -> bool:
     """Whether CUDA copies reach ``x``'s bytes where they are now: GPU memory, or host memory
-    page-locked for the GPU (`Device.page_locked`); `device_pointer` gives their address."""
-    device = x.manager.primary(x.object).device
-    return device.memory_space != "host" or device.page_locked
+    page-locked for the GPU (`Device.cuda_reachable`); `device_pointer` gives their address."""
+    return x.manager.primary(x.object).device.cuda_reachable
 
 
 def device_pointer(view: CachedArray, stream=None) -> int:

@@ -95,8 +95,7 @@ class Executor:
         self._fresh: dict = {}  # object id -> the JAX value the last kernel stored into it (see `run`)
         self._staged: list = []  # the running kernel's inputs copied up from host memory (CuPy buffers)
         # in-place updates reach every level: the host's code any host memory, CUDA's its own and page-locked
-        self._writes_in_place = not self.gpu or all(d.memory_space != "host" or d.page_locked
-                                                    for d in self.manager.levels)
+        self._writes_in_place = not self.gpu or all(d.cuda_reachable for d in self.manager.levels)
 
     def _where(self, x: CachedArray) -> bool:
         return x.policy.in_fast(x.object)

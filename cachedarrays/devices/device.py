@@ -56,7 +56,8 @@ class Device:
     engine needs nothing else to move them.  ``tier`` orders kinds of device from fastest (0, GPU)
     to slowest (PM); a manager's levels must not go from a slower tier to a faster one.
     ``page_locked`` is set when a host device's buffer was registered with CUDA, so that copies
-    to and from a GPU are DMA transfers.
+    to and from a GPU are DMA transfers; `cuda_reachable` says whether CUDA copies and kernels
+    reach the bytes at all.
     """
 
     kind = "device"
@@ -71,6 +72,12 @@ class Device:
         self.heap = Heap(buffer.nbytes)
         self.capacity = self.heap.capacity
         self.closed = False
+
+    @property
+    def cuda_reachable(self) -> bool:
+        """Whether CUDA copies and kernels reach this device's bytes: GPU memory, or host memory
+        page-locked for the GPU."""
+        return self.memory_space != "host" or self.page_locked
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(name={self.name!r}, capacity={self.capacity}, "
