@@ -27,7 +27,7 @@ def test_first_out_of_range_is_exact(L, n, dtype, bad, seed):
     assert C.out_of_range(idx, n) == want
     for out_type in (np.int32, np.int64):  # the check fused with a copy finds the same position
         out = np.full(L, -7, out_type)
-        assert C.copy_checked(idx, n, out) == want
+        assert C.copy_checked_each([idx], [n], [out]).tolist() == [want]
         assert np.array_equal(out, idx.astype(out_type))
 
 
@@ -35,7 +35,7 @@ def test_first_out_of_range_is_exact(L, n, dtype, bad, seed):
 @given(st.lists(st.tuples(st.integers(0, 70000), st.integers(1, 2**40), st.sampled_from([np.int32, np.int64]),
                           st.sampled_from([np.int32, np.int64]), st.floats(0, 1), st.booleans()), max_size=5),
        st.integers(0, 2**31))
-def test_copy_checked_each_is_copy_checked_of_every_array(arrays, seed):
+def test_copy_checked_each_copies_and_checks_every_array(arrays, seed):
     rng = np.random.default_rng(seed)
     srcs, bounds, outs, want = [], [], [], []
     for L, n, src_type, out_type, frac, bad in arrays:
@@ -44,7 +44,8 @@ def test_copy_checked_each_is_copy_checked_of_every_array(arrays, seed):
         if bad and L:
             idx[int(frac * (L - 1))] = -1
         srcs.append(idx), bounds.append(n), outs.append(np.full(L, -7, out_type))
-        want.append(C.copy_checked(idx, n, np.empty(L, out_type)))
+        bad_pos = np.flatnonzero((idx < 0) | (idx >= n))
+        want.append(int(bad_pos[0]) if bad_pos.size else -1)
     got = C.copy_checked_each(srcs, bounds, outs)
     assert got.tolist() == want
     for idx, out in zip(srcs, outs):

@@ -86,20 +86,6 @@ def _copy_checked_in(idx, out, lo, hi, n):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def copy_checked(idx, n, out):
-    """``out[:] = idx`` (converted to ``out``'s type) and the smallest position whose index is
-    outside [0, n) (or -1): the range check and a copy in one pass over the indices, each of 16
-    ordered chunks in parallel checked block by block as :func:`first_out_of_range` checks them
-    (an out-of-range value may not survive the conversion)."""
-    L = idx.size
-    nc = 16 if L >= 1 << 16 else 1
-    firsts = np.full(nc, -1, np.int64)
-    for c in prange(nc):
-        firsts[c] = _copy_checked_in(idx, out, c * L // nc, (c + 1) * L // nc, n)
-    return _first_found(firsts)
-
-
-@njit(parallel=True, cache=True, nogil=True)
 def _copy_checked_each(src_at, sizes, bounds, dst_at, like_src, like_dst):  # pragma: no cover - numba only
     T = sizes.size
     firsts = np.full((T, 16), -1, np.int64)
@@ -118,10 +104,14 @@ def _copy_checked_each(src_at, sizes, bounds, dst_at, like_src, like_dst):  # pr
 
 
 def copy_checked_each(srcs: list[np.ndarray], bounds: list[int], outs: list[np.ndarray]) -> np.ndarray:
-    """:func:`copy_checked` of every ``(srcs[t], bounds[t], outs[t])`` in one parallel pass (one
-    wake-up of the threads, not one per array: a DLRM step checks eight tables' batches this
-    way); each the first bad position of its array, or -1. The arrays are 1-d and contiguous, each
-    ``outs[t]`` as long as ``srcs[t]``; those of one type are passed to one kernel."""
+    """``outs[t][:] = srcs[t]`` (converted to ``outs[t]``'s type) for every ``t``, and the smallest
+    position of each ``srcs[t]`` whose index is outside ``[0, bounds[t])`` (or -1): the range check
+    and the copy in one pass over the indices, each array in 16 ordered chunks (one below 65536
+    entries) checked block by block as :func:`first_out_of_range` checks them (an out-of-range
+    value may not survive the conversion), all arrays in one parallel region (one wake-up of the
+    threads, not one per array: a DLRM step checks eight tables' batches this way). The arrays
+    are 1-d and contiguous, each ``outs[t]`` as long as ``srcs[t]``; those of one pair of types
+    go to one kernel."""
     result = np.full(len(srcs), -1, np.int64)
     kinds: dict = {}
     for t, (src, out) in enumerate(zip(srcs, outs)):
