@@ -136,13 +136,7 @@ class Executor:
         views = [readable(x) for x in inputs]
         done = None  # if the kernel raises, the views are released with records of their own
         try:
-            nbytes = fast = 0
-            for v in {v.object.id: v for v in views}.values():
-                nbytes += v.nbytes
-                if self._where(v):
-                    fast += v.nbytes
-            self.stats.read_fast += fast
-            self.stats.read_slow += nbytes - fast
+            nbytes = self._count_reads({v.object.id: v for v in views}.values())
             # an output of the previous kernel is read from its JAX value, which holds the same bytes:
             # no import of the region, and on a GPU no wait for its store (JAX orders its own work)
             fresh, self._fresh = self._fresh, {}
@@ -160,12 +154,34 @@ class Executor:
             uses = release_together(views, done)
             if self._staged:
                 self._keep_staged(done)
+        self._kernel_end(kernel, uses, max(nbytes, max((o.nbytes for o in outs), default=0)), t0)
+        return outs
+
+    def _count_reads(self, views) -> int:
+        """Count the bytes of ``views`` (one per object) as read from the fast or the slow level; their sum."""
+        nbytes = 0
+        for v in views:
+            nbytes += v.nbytes
+            if self._where(v):
+                self.stats.read_fast += v.nbytes
+            else:
+                self.stats.read_slow += v.nbytes
+        return nbytes
+
+    def _count_write(self, x: CachedArray) -> None:
+        if self._where(x):
+            self.stats.written_fast += x.nbytes
+        else:
+            self.stats.written_slow += x.nbytes
+
+    def _kernel_end(self, kernel: Callable, uses: list, working_set: int, t0: float) -> None:
+        """After a kernel's views were released: its use record to the device clock, its operands'
+        bytes to the working-set mark, one call and its host time to the counters."""
         if self.timeline is not None and uses:
             self.timeline.note(uses[-1].cuda_event)
-        self._working_set(max(nbytes, max((o.nbytes for o in outs), default=0)), getattr(kernel, "__name__", "kernel"))
+        self._working_set(working_set, getattr(kernel, "__name__", "kernel"))
         self.stats.calls += 1
         self.stats.seconds += time.perf_counter() - t0
-        return outs
 
     def _kernel_done(self, outs: tuple, inputs: list, one_program: bool):
         """A use record at the end of a dispatched kernel: CuPy's stream waits for its outputs (the
@@ -215,10 +231,7 @@ class Executor:
                              f"stored into an array of shape {y.shape} and dtype {y.dtype}")
         w = writable(y)
         try:
-            if self._where(y):
-                self.stats.written_fast += y.nbytes
-            else:
-                self.stats.written_slow += y.nbytes
+            self._count_write(y)
             if self.gpu and cuda_reachable(y):  # without the host waiting for the kernel
                 self._device_copy(w, value)
                 return
@@ -285,15 +298,10 @@ class Executor:
             for x in inputs:
                 if x.object.id not in views:
                     views[x.object.id] = writable(x) if x.object.id in written else readable(x)
-            st = self.stats
-            for v in views.values():  # every operand is read; the targets are written too
-                fast = self._where(v)
-                if fast:
-                    st.read_fast += v.nbytes
-                    st.written_fast += v.nbytes if v.object.id in written else 0
-                else:
-                    st.read_slow += v.nbytes
-                    st.written_slow += v.nbytes if v.object.id in written else 0
+            nbytes = self._count_reads(views.values())  # every operand is read; the targets are written too
+            for v in views.values():
+                if v.object.id in written:
+                    self._count_write(v)
             if self.tape is not None:
                 self.tape.append((kernel, [(x.shape, x.dtype) for x in inputs], args, static))
             ops = [views[x.object.id] for x in inputs]
@@ -305,13 +313,9 @@ class Executor:
                 in_place.host([v.array for v in ops], *args)
         finally:
             uses = release_together(list(views.values()))
-        if self.timeline is not None and uses:
-            self.timeline.note(uses[-1].cuda_event)
         for t in targets:
             self._fresh.pop(t.object.id, None)
-        self._working_set(sum(v.nbytes for v in views.values()), getattr(kernel, "__name__", "kernel"))
-        self.stats.calls += 1
-        self.stats.seconds += time.perf_counter() - t0
+        self._kernel_end(kernel, uses, nbytes, t0)
 
     def sync(self) -> None:
         """Wait until every kernel and output copy dispatched so far is done (the end of a step)."""
