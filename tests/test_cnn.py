@@ -447,22 +447,25 @@ def test_in_place_sgd_is_the_sgd_kernels_bit_for_bit(sizes, momentum, lr, seed):
 
 def test_an_in_place_update_writes_its_targets_where_they_are_and_records_the_kernel(manager):
     from cnn import inplace
+    ran = []  # the in-place form, not the kernel and a copy (which would give the same values)
+    spy = inplace.InPlace(lambda arrays, *a: ran.append(len(arrays)) or inplace.sgd_host(arrays, *a),
+                          inplace.sgd_cuda, np.float32)
     ex = Executor(manager, tape=[])
     w = CachedArray(np.arange(1000, dtype=np.float32), manager)
     g = CachedArray(np.ones(1000, np.float32), manager)
     v = CachedArray(np.full(1000, 2, np.float32), manager)
     before = manager.primary(w.object)
-    ex.call_into(K.sgd_momentum_steps, (w, g, v), (w, v), np.float32(0.5), np.float32(0.9), in_place=inplace.SGD)
-    assert manager.primary(w.object) is before  # the same bytes, written where they are
+    ex.call_into(K.sgd_momentum_steps, (w, g, v), (w, v), np.float32(0.5), np.float32(0.9), in_place=spy)
+    assert ran == [3] and manager.primary(w.object) is before  # the same bytes, written where they are
     np.testing.assert_array_equal(np.asarray(v), np.full(1000, 2.8, np.float32))
     np.testing.assert_array_equal(np.asarray(w), np.arange(1000, dtype=np.float32) - np.float32(0.5) * np.float32(2.8))
     assert ex.stats.calls == 1 and ex.stats.written_fast == 8000 and ex.stats.read_fast == 12000
     assert [k for k, *_ in ex.tape] == [K.sgd_momentum_steps]  # replayed as the kernel it stands for
     with pytest.raises(ValueError, match="writes only objects among its inputs"):
-        ex.call_into(K.sgd_steps, (w, g), (v,), np.float32(0.5), in_place=inplace.SGD)
+        ex.call_into(K.sgd_steps, (w, g), (v,), np.float32(0.5), in_place=spy)
     np.testing.assert_array_equal(np.asarray(v), np.full(1000, 2.8, np.float32))  # nothing written
     w16, g16 = CachedArray(np.ones(10, np.float16), manager), CachedArray(np.full(10, 4, np.float16), manager)
-    ex.call_into(K.sgd_steps, (w16, g16), (w16,), np.float16(0.5), in_place=inplace.SGD)  # float16: by the kernel
+    ex.call_into(K.sgd_steps, (w16, g16), (w16,), np.float16(0.5), in_place=spy)  # float16: by the kernel
     np.testing.assert_array_equal(np.asarray(w16), np.full(10, -1, np.float16))
-    assert ex.stats.calls == 2
+    assert ex.stats.calls == 2 and ran == [3]
     manager.check()
