@@ -333,7 +333,7 @@ class Policy:
             start = m.getlinked(m.primary(victim), device)
             if start is None:
                 continue
-            if dead_ends.covers(start.offset):
+            if dead_ends.covers(start.offset):  # the heap would fail it too; this skips the manager's call
                 m.record("forced_evictfrom_skipped")
                 continue
             m.record("forced_evictfrom")
