@@ -57,11 +57,13 @@ class KernelStats:
     read_slow: int = 0
     written_fast: int = 0
     written_slow: int = 0
+    copies: int = 0                   # kernel outputs copied into their regions (`Executor.copy_into`)
+    copied: int = 0                   # their bytes: GPU work that a whole-jitted program does not do
     max_working_set: int = 0          # largest bytes of operands one kernel had pinned at once
     max_working_set_kernel: str = ""
 
     def reset(self) -> None:
-        for f in ("calls", "seconds", "read_fast", "read_slow", "written_fast", "written_slow"):
+        for f in ("calls", "seconds", "read_fast", "read_slow", "written_fast", "written_slow", "copies", "copied"):
             setattr(self, f, 0)
 
     def as_dict(self) -> dict:
@@ -232,6 +234,8 @@ class Executor:
         w = writable(y)
         try:
             self._count_write(y)
+            self.stats.copies += 1
+            self.stats.copied += y.nbytes
             if self.gpu and cuda_reachable(y):  # without the host waiting for the kernel
                 self._device_copy(w, value)
                 return

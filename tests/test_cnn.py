@@ -61,6 +61,7 @@ def test_kernels_get_zero_copy_views_and_outputs_land_in_policy_regions(manager)
     np.testing.assert_array_equal(np.asarray(y), np.arange(64, dtype=np.float32).reshape(4, 16) * 2)
     assert not manager.pinned(x.object) and not manager.pinned(y.object)  # views released
     assert ex.stats.calls == 1 and ex.stats.read_fast == x.nbytes and ex.stats.written_fast == y.nbytes
+    assert (ex.stats.copies, ex.stats.copied) == (1, y.nbytes)  # the output copied into its region
 
 
 def test_saved_activations_are_cachedarrays_of_the_manager(manager):
@@ -460,6 +461,7 @@ def test_an_in_place_update_writes_its_targets_where_they_are_and_records_the_ke
     np.testing.assert_array_equal(np.asarray(v), np.full(1000, 2.8, np.float32))
     np.testing.assert_array_equal(np.asarray(w), np.arange(1000, dtype=np.float32) - np.float32(0.5) * np.float32(2.8))
     assert ex.stats.calls == 1 and ex.stats.written_fast == 8000 and ex.stats.read_fast == 12000
+    assert ex.stats.copies == 0  # written where they are: no output copied
     assert [k for k, *_ in ex.tape] == [K.sgd_momentum_steps]  # replayed as the kernel it stands for
     with pytest.raises(ValueError, match="writes only objects among its inputs"):
         ex.call_into(K.sgd_steps, (w, g), (v,), np.float32(0.5), in_place=spy)
@@ -467,5 +469,5 @@ def test_an_in_place_update_writes_its_targets_where_they_are_and_records_the_ke
     w16, g16 = CachedArray(np.ones(10, np.float16), manager), CachedArray(np.full(10, 4, np.float16), manager)
     ex.call_into(K.sgd_steps, (w16, g16), (w16,), np.float16(0.5), in_place=spy)  # float16: by the kernel
     np.testing.assert_array_equal(np.asarray(w16), np.full(10, -1, np.float16))
-    assert ex.stats.calls == 2 and ran == [3]
+    assert ex.stats.calls == 2 and ran == [3] and (ex.stats.copies, ex.stats.copied) == (1, w16.nbytes)
     manager.check()
