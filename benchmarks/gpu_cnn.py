@@ -136,6 +136,7 @@ def run_ours(cfg, fp, mode: str, budget: int | None, steps: int, warmup: int, pm
             s.step(i)
         stats = s.trainer.ex.stats  # the last step's kernels
         kernels, host, copies, copied = stats.calls, stats.seconds, stats.copies, stats.copied
+        elided, elided_bytes = stats.elided, stats.elided_bytes
         if mode == "dram":  # the same kernels once more, recorded, then dispatched on bare arrays
             bare = bare_seconds(s, warmup + steps, steps)
     except Exception as e:
@@ -153,7 +154,8 @@ def run_ours(cfg, fp, mode: str, budget: int | None, steps: int, warmup: int, pm
             "capacity": last.fast_capacity, "losses": [r.loss for r in run.records],
             "policy_report": run.policy_report, "kernels": kernels,
             "host_seconds_per_kernel": host / kernels if kernels else None, "bare_seconds": bare,
-            "output_copies": copies, "output_copy_bytes": copied}
+            "output_copies": copies, "output_copy_bytes": copied, "outputs_elided": elided,
+            "output_bytes_elided": elided_bytes}
 
 
 def bare_seconds(s, i: int, repeats: int) -> float:
@@ -400,7 +402,8 @@ def main(argv=None) -> int:
             copying = copy_seconds(hbm["output_copies"], hbm["output_copy_bytes"], args.device)
             print(f"  ours, HBM copied {hbm['output_copies']} kernel outputs a step into their regions, "
                   f"{hbm['output_copy_bytes'] / GiB:.2f} GiB: {1e3 * copying:.1f} ms of GPU time alone "
-                  f"({gbps(hbm['output_copy_bytes'], copying):.0f} GB/s copied)", flush=True)
+                  f"({gbps(hbm['output_copy_bytes'], copying):.0f} GB/s copied); {hbm['outputs_elided']} more "
+                  f"({hbm['output_bytes_elided'] / GiB:.2f} GiB) died unread and were not copied", flush=True)
             measure(BARE_COPIES, lambda: {"seconds": hbm["bare_seconds"] + copying, "copy_seconds": copying})
         if rc is not None:  # fewer kernels and fewer outputs stored: what the per-layer overhead is without them
             measure(f"ours, HBM{RECOMPUTE}",

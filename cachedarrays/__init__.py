@@ -21,7 +21,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 from .annotations import Preserved, cleanup, evict, noescape, onobjects, prefetch, preserve, softevict, unsafe_free
 from .array import (CachedArray, Status, assign, cuda_reachable, device_pointer, jax_array, readable, release,
-                    release_together, similar, writable)
+                    release_together, similar, writable, write_later, write_now)
 from .devices import DRAM, GPU, PM, Bandwidth, Device, Heap
 from .errors import (CachedArraysError, CopyError, DeviceUnavailableError, InvariantError, ObjectNotFoundError,
                      OutOfMemoryError, PersistentObjectError, PinnedError, PMCorruptError, PMFormatError,
@@ -39,4 +39,5 @@ __all__ = [
     "UseAfterFreeError", "assign", "cleanup", "cuda_reachable", "device_pointer", "evict", "format_size", "jax_array",
     "noescape", "onobjects", "parse_size",
     "persistent", "prefetch", "preserve", "readable", "release", "release_together", "similar", "softevict", "unsafe_free", "writable",
+    "write_later", "write_now",
 ]

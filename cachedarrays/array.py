@@ -26,7 +26,7 @@ import enum
 import math
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
@@ -400,6 +400,47 @@ def device_pointer(view: CachedArray, stream=None) -> int:
                           view._status is Status.ReadWrite)
     view._gpu_consumers.add("cupy")
     return region.device.address(region.offset)
+
+
+def write_later(x: CachedArray, write: Callable[[Any, Any], Any]) -> None:
+    """Write ``x``'s bytes (all of them) when something first needs them, not now: a view of
+    ``x``, the policy moving it, `write_now`; never if ``x`` is freed before
+    (`Manager.fill_later`). The policy is told of the write use now, as by `writable`.
+
+    ``write(target, stream)`` makes the write: where ``x`` is in GPU memory or in page-locked
+    host memory (`cuda_reachable`), ``target`` is the bytes' address and ``stream`` the CuPy
+    stream current now, on which it queues the write (a ``cudaMemcpyAsync``) and records what it
+    returns: a use whose event marks the write's end (`devices.gpu.CudaUse`); elsewhere
+    ``target`` is a numpy view of the bytes (shape and dtype of ``x``), ``stream`` None, and the
+    write is done on return (returns None). It runs on whichever thread needs the bytes first,
+    under the manager's lock, so it must not call the policy or take views."""
+    w = writable(x)
+    try:
+        m = x.manager
+        region = m.primary(x.object)
+        # the write holds neither x nor its object: an object whose last reference dies is freed
+        # (and its write dropped) as any other
+        nbytes, dtype, shape = x.nbytes, x.dtype, x.shape
+        if region.device.cuda_reachable:
+            from .devices.gpu import cupy
+            stream = cupy().cuda.get_current_stream()
+
+            def fill():
+                m.ready_on(region, stream, True)  # after the region's earlier readers
+                return write(region.device.address(region.offset), stream)
+        else:
+            def fill():
+                m.ready(region)
+                return write(m.bytes(region, wait=False)[:nbytes].view(dtype).reshape(shape), None)
+        m.fill_later(region, fill)
+    finally:
+        w.release()
+
+
+def write_now(x: CachedArray) -> None:
+    """Issue ``x``'s deferred write (`write_later`) now; nothing when it has none or was freed."""
+    if x.object.alive:
+        x.manager.issue_fill(x.manager.primary(x.object))
 
 
 def assign_into(target, value, key=Ellipsis) -> None:

@@ -22,6 +22,11 @@ GPU, without blocking the host).  `copyto` keeps the synchronous meaning of Tabl
 that fails at submission raises `CopyError` at once and changes nothing; one that fails in
 flight into an object's primary puts the primary back on the copy's source, whose bytes are
 intact, and raises `CopyError` at the object's next use.
+
+A region's fill may also be a write deferred by the layer above (`fill_later`: a kernel's output
+kept in its producer's buffer): it is issued the first time anything must see the bytes (a view,
+a copy from or into the region, `wait_all`) and cancelled if the region is freed first, so an
+object that dies unread never costs the write.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Callable
 
 import numpy as np
 
+from .deferred import Deferred
 from .devices import DeadEnds, Device
 from .devices.perf import copy_seconds
 from .engine import Completion, CopyEngine, Waitable
@@ -161,6 +167,7 @@ class Manager:
         self.engine = CopyEngine(copy_workers)
         self._inflight: collections.deque[tuple[Completion, Region, Region]] = collections.deque()
         self._busy: dict[str, list[tuple[int, int, list[Waitable]]]] = {dev.name: [] for dev in levels}
+        self._deferred: set[Region] = set()  # regions whose fill is a write not issued yet (`fill_later`)
         self.closed = False
         if any(dev.memory_space != "host" for dev in levels):
             from .devices.gpu import pagelock
@@ -395,6 +402,7 @@ class Manager:
         with self._locked():
             if self._check_copy(dst, src):
                 return
+            self._issue(src, dst)
             after = self._copy_order(dst, src)
             completion = self.engine.copy_now(dst.device, dst.offset, src.device, src.offset, src.nbytes, after)
             if completion.error is not None:
@@ -416,6 +424,7 @@ class Manager:
         with self._locked():
             if self._check_copy(dst, src):
                 return self._noop(src)
+            self._issue(src, dst)
             after = self._copy_order(dst, src)
             completion = self.engine.submit(dst.device, dst.offset, src.device, src.offset, src.nbytes, after)
             if completion.done() and completion.error is not None:
@@ -433,6 +442,7 @@ class Manager:
         with ``write``, also written (every drain done).  Returns the seconds blocked; raises
         `CopyError` if its fill failed."""
         self._live(region)
+        self.issue_fill(region)
         record = region.owner
         blocked = 0.0
         fill = region.fill
@@ -449,6 +459,7 @@ class Manager:
         ``mark``: an event where the consumer's work reaches this point (for exposed-time telemetry)."""
         from .devices.gpu import wait_on_stream
         self._live(region)
+        self.issue_fill(region)
         record = region.owner
         fill = region.fill
         wait_on_stream([w for w in (fill, *_waits(region, write)) if w is not None and not w.done()], stream, mark)
@@ -469,6 +480,32 @@ class Manager:
             return False
         return all(w.done() for w in _waits(region, write))
 
+    def fill_later(self, region: Region, write: Callable[[], "Waitable | None"]) -> None:
+        """Make ``write()`` the fill of ``region``, issued when something first needs the bytes
+        (a reader, a copy from or into the region, `wait_all`, `issue_fill`) and never if the
+        region is freed before (see the module docstring). ``write`` must write all of the
+        region's contents where it is then (it cannot move before: a move copies from it), after
+        its earlier readers (`ready`/`ready_on` with ``write=True``, which do not wait for this
+        fill), and return what marks the write's end (a `Waitable`, or None when it is done on
+        return). A deferred fill not issued yet is replaced: no one has seen its bytes. The
+        caller has told the policy of the write use (the region is dirty)."""
+        with self._locked():
+            self._live(region)
+            fill = region.fill
+            if region in self._deferred:
+                fill.cancel()
+                self.telemetry_data.count("deferred_fills_cancelled")
+            elif fill is not None and not fill.done():  # an earlier fill still running: the write waits for it
+                region.drains.append(fill)
+            region.fill = Deferred(write)
+            self._deferred.add(region)
+
+    def issue_fill(self, region: Region) -> None:
+        """Issue ``region``'s deferred fill now (nothing when it has none, or was freed)."""
+        if region in self._deferred:
+            with self._locked():
+                self._issue(region)
+
     def add_use(self, region: Region, use: Waitable) -> None:
         """Record that a consumer (e.g. a GPU kernel) still uses ``region``'s bytes until ``use`` is done."""
         with self._locked():
@@ -477,9 +514,10 @@ class Manager:
             region.drains.append(use)
 
     def wait_all(self) -> None:
-        """Wait for every copy in flight and every recorded use of freed bytes (a reporting or
-        closing wait: not counted as exposed copy time)."""
+        """Issue every deferred fill, then wait for every copy in flight and every recorded use of
+        freed bytes (a reporting or closing wait: not counted as exposed copy time)."""
         with self._locked():
+            self._issue(*self._deferred)
             self._finish_inflight()
             for busy in self._busy.values():
                 for _, _, waitables in busy:
@@ -658,6 +696,9 @@ class Manager:
                         raise InvariantError(f"{region} has {region.nbytes} bytes but its heap block was asked for {occupied[offset]}")
                     if region.owner is not None and region.owner.regions.get(dev.name) is not region:
                         raise InvariantError(f"{region} claims object {region.owner.id}, which does not list it")
+            for region in self._deferred:
+                if region.freed or not isinstance(region.fill, Deferred) or not region.fill.pending:
+                    raise InvariantError(f"{region} is listed with a deferred fill, but its fill is {region.fill!r}")
             for completion, dst, src in self._inflight:
                 for region in (dst, src):
                     if region.freed and not completion.done() and not any(
@@ -780,6 +821,10 @@ class Manager:
         del self._regions[dev.name][region.offset]
         region.freed = True
         region.owner = None
+        if region in self._deferred:  # a write no one will read
+            self._deferred.discard(region)
+            region.fill.cancel()
+            self.telemetry_data.count("deferred_fills_cancelled")
         pending = region.pending()
         if pending:
             self._busy[dev.name].append((region.offset, region.offset + region.nbytes, pending))
@@ -795,6 +840,14 @@ class Manager:
         if dst.nbytes != src.nbytes:
             raise ValueError(f"cannot copy {src.nbytes} bytes from {src} into {dst} of {dst.nbytes} bytes")
         return dst is src
+
+    def _issue(self, *regions: Region) -> None:
+        """Issue the deferred fills of ``regions`` (under the lock); those without one are skipped."""
+        for region in regions:
+            if region in self._deferred:
+                self._deferred.discard(region)
+                region.fill.issue()
+                self.telemetry_data.count("deferred_fills_issued")
 
     @staticmethod
     def _copy_order(dst: Region, src: Region) -> list[Waitable]:

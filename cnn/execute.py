@@ -3,18 +3,25 @@
 `Executor.call` takes ``readable`` views of the input CachedArrays (telling the
 policy of the use and pinning them), hands them to JAX with `cachedarrays.jax_array`
 (zero-copy: regions are 64-byte aligned and C-contiguous; a region's JAX array is
-imported once and reused while it stays put), dispatches the kernel, releases the views, and only then copies each
-output into a new CachedArray allocated through the policy.  Releasing the
+imported once and reused while it stays put), dispatches the kernel, releases the views, and only
+then stores each output as a new CachedArray allocated through the policy.  Releasing the
 inputs before the outputs are allocated means a kernel needs room in fast
 memory for its inputs, or for one output, never for both at once.
+
+An output's copy into its region is deferred (`cachedarrays.write_later`): the next kernel reads
+it from the JAX value, and an output freed after that without anything reading its region (the
+gradient one layer's backward hands to the next: 30% of a DenseNet step's output bytes) is never
+copied.  Anything that reads or moves the object first (a view, the policy evicting it) has the
+copy made before it; the outputs of kernels before the previous one are copied when the next
+kernel starts, and all of them at `Executor.sync`.
 
 On the host the kernel runs to completion before the views are released.  On a
 GPU nothing waits: the kernel is dispatched on JAX's stream (which waits on the
 GPU for copies into its inputs), one use record (`release_together`: an event
 after CuPy's stream waited for the kernel's outputs) keeps the inputs' regions
 from being moved or reused before the kernel has read them, and
-each output is copied into the region the policy chose (one ``cudaMemcpyAsync``
-on CuPy's stream, after the DLPack handshake with JAX's; no host wait: the JAX
+each output copy into the region the policy chose is one ``cudaMemcpyAsync``
+on CuPy's stream, after the DLPack handshake with JAX's (no host wait: the JAX
 value is kept alive until its copy is done instead), in HBM or in page-locked
 host memory alike.  An input a policy left in page-locked host memory is copied
 up the same way into a buffer of CuPy's that JAX imports.  Host memory that is
@@ -42,7 +49,7 @@ import jax
 import numpy as np
 
 from cachedarrays import (CachedArray, Manager, cuda_reachable, device_pointer, jax_array, readable,
-                          release_together, writable)
+                          release_together, writable, write_later, write_now)
 
 _COPY = 4  # cudaMemcpyDefault: the direction from the addresses (GPU memory, page-locked host memory)
 
@@ -57,13 +64,16 @@ class KernelStats:
     read_slow: int = 0
     written_fast: int = 0
     written_slow: int = 0
-    copies: int = 0                   # kernel outputs copied into their regions (`Executor.copy_into`)
+    copies: int = 0                   # kernel outputs copied into their regions
     copied: int = 0                   # their bytes: GPU work that a whole-jitted program does not do
+    elided: int = 0                   # outputs stored whose objects died before anything read their region
+    elided_bytes: int = 0             # their bytes, never copied (`Executor.store`)
     max_working_set: int = 0          # largest bytes of operands one kernel had pinned at once
     max_working_set_kernel: str = ""
 
     def reset(self) -> None:
-        for f in ("calls", "seconds", "read_fast", "read_slow", "written_fast", "written_slow", "copies", "copied"):
+        for f in ("calls", "seconds", "read_fast", "read_slow", "written_fast", "written_slow", "copies", "copied",
+                  "elided", "elided_bytes"):
             setattr(self, f, 0)
 
     def as_dict(self) -> dict:
@@ -96,6 +106,8 @@ class Executor:
         self._ordered: tuple = ()  # the last kernel's outputs that CuPy's stream waits for
         self._fresh: dict = {}  # object id -> the JAX value the last kernel stored into it (see `run`)
         self._staged: list = []  # the running kernel's inputs copied up from host memory (CuPy buffers)
+        self._kernels = 0  # kernels run so far (`run`)
+        self._deferred: collections.deque = collections.deque()  # [kernel number, stored array, written?]
         # in-place updates reach every level: the host's code any host memory, CUDA's its own and page-locked
         self._writes_in_place = not self.gpu or all(d.cuda_reachable for d in self.manager.levels)
 
@@ -135,6 +147,8 @@ class Executor:
         """Run ``kernel(*jax_inputs, *args, **static)`` with zero-copy inputs; return its outputs (JAX arrays;
         on the host, done), after the inputs were released."""
         t0 = time.perf_counter()
+        self._kernels += 1
+        self._write_stored(before=self._kernels - 1)  # outputs of the previous kernel may still die unread
         views = [readable(x) for x in inputs]
         done = None  # if the kernel raises, the views are released with records of their own
         try:
@@ -219,11 +233,47 @@ class Executor:
         self._staged = []
 
     def store(self, value) -> CachedArray:
-        """Copy a kernel output into a new CachedArray placed by the policy."""
+        """A kernel output as a new CachedArray placed by the policy, its bytes written later.
+
+        The copy into the region is deferred (`cachedarrays.write_later`): the next kernel reads
+        the output from the JAX value (``_fresh``), and an object freed right after that, unread
+        (a gradient passed from one layer's backward to the next), is never copied. What reads
+        or moves the object before writes it first; the outputs of kernels before the previous
+        one are written when the next kernel starts (`_write_stored`), so that at most two
+        kernels' outputs stay in JAX's memory beside their regions, and all at `sync`."""
         y = CachedArray(tuple(value.shape), self.manager, np.dtype(value.dtype))
-        self.copy_into(y, value)
+        self._count_write(y)
+        entry = [self._kernels, y, False]
+        source, src = self._source(value) if self.gpu else (0, None)
+        nbytes = y.nbytes
+
+        def write(target, stream):
+            entry[2] = True
+            self.stats.copies += 1
+            self.stats.copied += nbytes
+            if stream is None:  # host bytes (numpy)
+                np.copyto(target, np.asarray(value).reshape(target.shape), casting="no")
+                return None
+            return self._copy_on(stream, target, source, nbytes, value, src)
+
+        write_later(y, write)
+        self._deferred.append(entry)
         self._fresh[y.object.id] = value
         return y
+
+    def _write_stored(self, before: int | None = None) -> None:
+        """Write the stored outputs of kernels numbered below ``before`` (all: None) whose objects
+        are alive and not written yet; count those that died unwritten as elided."""
+        pending = self._deferred
+        while pending and (before is None or pending[0][0] < before):
+            _, y, written = pending.popleft()
+            if written:
+                continue
+            if y.object.alive:
+                write_now(y)
+            else:
+                self.stats.elided += 1
+                self.stats.elided_bytes += y.nbytes
 
     def copy_into(self, y: CachedArray, value) -> None:
         """Overwrite ``y`` with ``value`` (a write use: the policy marks it dirty)."""
@@ -244,33 +294,51 @@ class Executor:
         finally:
             w.release()
 
-    def _device_copy(self, w: CachedArray, value) -> None:
-        """Copy ``value`` into the held view ``w``, in GPU or page-locked host memory (one
-        ``cudaMemcpyAsync`` on CuPy's stream), and release it; ``value`` stays referenced until
-        the copy has read it (its owner, JAX, would reuse the bytes at once, without waiting for
-        our stream)."""
+    def _source(self, value) -> tuple[int, Any]:
+        """The device address of a kernel output ``value`` for a copy on CuPy's current stream,
+        ordered after the kernel that makes it, and the CuPy import that owns it (None: none)."""
         import cupy as cp
         src = next((c for o, c in self._imported if o is value), None)
         if src is not None:
-            source = src.data.ptr
-        elif any(o is value for o in self._ordered):  # the stream already waits for the program that made it
-            source = value.unsafe_buffer_pointer() if w.nbytes else 0
-        else:
-            src = cp.from_dlpack(value)  # the current stream waits for the kernel that makes it
-            source = src.data.ptr
+            return src.data.ptr, src
+        if any(o is value for o in self._ordered):  # the stream already waits for the program that made it
+            return (value.unsafe_buffer_pointer() if value.size else 0), None
+        src = cp.from_dlpack(value)  # the current stream waits for the kernel that makes it
+        return src.data.ptr, src
+
+    def _device_copy(self, w: CachedArray, value) -> None:
+        """Copy ``value`` into the held view ``w``, in GPU or page-locked host memory (one
+        ``cudaMemcpyAsync`` on CuPy's stream), and release it."""
+        import cupy as cp
+        source, src = self._source(value)
         stream = cp.cuda.get_current_stream()
         if w.nbytes:
             cp.cuda.runtime.memcpyAsync(device_pointer(w, stream), source, w.nbytes, _COPY, stream.ptr)
         (use,) = release_together([w]) or (None,)
-        if use is None:
-            return
+        if use is not None:  # the release's use record marks the copy's end too
+            self._keep_until(use.cuda_event, value, src, w.nbytes)
+
+    def _copy_on(self, stream, target: int, source: int, nbytes: int, value, src):
+        """Copy ``nbytes`` from ``source`` to ``target`` on ``stream``; the use that marks its end."""
+        import cupy as cp
+        from cachedarrays.devices.gpu import CudaUse
+        if nbytes:
+            cp.cuda.runtime.memcpyAsync(target, source, nbytes, _COPY, stream.ptr)
+        use = CudaUse(stream)
+        self._keep_until(use.cuda_event, value, src, nbytes)
+        return use
+
+    def _keep_until(self, event, value, src, nbytes: int) -> None:
+        """Keep ``value`` (and its import ``src``) referenced until ``event``: its owner, JAX, would
+        reuse the bytes at once, without waiting for our stream. The host waits for the oldest
+        kept copies once more than `ahead_bytes` are queued."""
         keep = self._keep
-        keep.append((use.cuda_event, value, src, w.nbytes))  # the release's use record marks the copy's end too
-        self._keep_bytes += w.nbytes
+        keep.append((event, value, src, nbytes))
+        self._keep_bytes += nbytes
         while keep and (keep[0][0].done or self._keep_bytes > self.ahead_bytes):
-            event, _, _, nbytes = keep.popleft()
+            event, _, _, n = keep.popleft()
             event.synchronize()
-            self._keep_bytes -= nbytes
+            self._keep_bytes -= n
 
     def call(self, kernel: Callable, inputs: Sequence[CachedArray], *args: Any, **static: Any) -> tuple[CachedArray, ...]:
         """`run` then `store` every output: the outputs as CachedArrays, always a tuple."""
@@ -322,7 +390,9 @@ class Executor:
         self._kernel_end(kernel, uses, nbytes, t0)
 
     def sync(self) -> None:
-        """Wait until every kernel and output copy dispatched so far is done (the end of a step)."""
+        """Write every stored output not written yet, then wait until every kernel and output copy
+        dispatched so far is done (the end of a step)."""
+        self._write_stored()
         if self.gpu:
             import cupy as cp
             cp.cuda.Device(self.manager.fast.index).synchronize()

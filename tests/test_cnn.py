@@ -64,6 +64,48 @@ def test_kernels_get_zero_copy_views_and_outputs_land_in_policy_regions(manager)
     assert (ex.stats.copies, ex.stats.copied) == (1, y.nbytes)  # the output copied into its region
 
 
+@jax.jit
+def _double(a):
+    return a * 2
+
+
+def test_an_output_that_dies_unread_is_never_copied_into_its_region(manager):
+    """The next kernel reads an output from the JAX value; freed then, unread, it is never copied."""
+    from cachedarrays import unsafe_free
+    ex = Executor(manager)
+    x = CachedArray(np.arange(64, dtype=np.float32), manager)
+    (y,) = ex.call(_double, (x,))
+    (z,) = ex.call(_double, (y,))  # reads y from the JAX value
+    unsafe_free(y)  # y's last use was z's kernel (what annotations do)
+    cancelled = manager.telemetry()["counters"].get("deferred_fills_cancelled", 0)
+    assert cancelled == 1 and ex.stats.copies == 0  # nothing needed z or y's bytes yet
+    (w,) = ex.call(_double, (z,))  # from z's value too; outputs of kernels before z's are written now
+    ex.sync()  # and the rest
+    np.testing.assert_array_equal(np.asarray(z), np.arange(64, dtype=np.float32) * 4)
+    np.testing.assert_array_equal(np.asarray(w), np.arange(64, dtype=np.float32) * 8)
+    assert (ex.stats.elided, ex.stats.elided_bytes) == (1, y.nbytes)
+    assert (ex.stats.copies, ex.stats.copied) == (2, z.nbytes + w.nbytes)
+    manager.check()
+
+
+def test_a_stored_output_moved_or_read_before_its_write_keeps_its_contents(manager):
+    """The policy evicting an output whose copy is deferred, or anything reading it, writes it first."""
+    from cachedarrays import evict, readable
+    ex = Executor(manager)
+    x = CachedArray(np.arange(4096, dtype=np.float32), manager)
+    (y,) = ex.call(_double, (x,))
+    evict(y)  # the move copies the region: the output is written into it first
+    assert y.device == manager.slow.name and ex.stats.copies == 1
+    (z,) = ex.call(_double, (x,))
+    with readable(z) as a:
+        np.testing.assert_array_equal(a, np.arange(4096, dtype=np.float32) * 2)
+    assert ex.stats.copies == 2
+    ex.sync()
+    np.testing.assert_array_equal(np.asarray(y), np.arange(4096, dtype=np.float32) * 2)
+    assert ex.stats.copies == 2 and ex.stats.elided == 0
+    manager.check()
+
+
 def test_saved_activations_are_cachedarrays_of_the_manager(manager):
     model = build("resnet", manager, depth=11, width=4, image=8, classes=10)
     ex = Executor(manager)

@@ -78,6 +78,31 @@ def test_kernels_read_gpu_regions_zero_copy_and_outputs_stay_on_the_gpu():
         m.check()
 
 
+def test_outputs_that_die_unread_are_not_copied_and_moved_ones_are_written_first():
+    """`Executor.store` defers each output's copy: freed after the next kernel read it from its
+    JAX value, it is never made; evicted before it is made, the copy down carries it."""
+    import jax
+    from cachedarrays import evict, unsafe_free
+    from cnn.execute import Executor
+    from cnn.modes import make_manager
+    double = jax.jit(lambda a: a * 2)
+    with make_manager("caLM", 64 << 20, 64 << 20, device="gpu") as m:
+        ex = Executor(m)
+        x_np = np.arange(1 << 16, dtype=np.float32)
+        x = CachedArray(x_np, m)
+        (y,) = ex.call(double, (x,))
+        (z,) = ex.call(double, (y,))  # y from its JAX value
+        unsafe_free(y)
+        (w,) = ex.call(double, (z,))
+        evict(w)  # into page-locked host memory: written into its GPU region first, then copied down
+        assert w.device == m.slow.name and z.device == "GPU"
+        ex.sync()
+        np.testing.assert_array_equal(np.asarray(z), x_np * 4)
+        np.testing.assert_array_equal(np.asarray(w), x_np * 8)
+        assert (ex.stats.elided, ex.stats.copies) == (1, 2)
+        m.check()
+
+
 def test_outputs_of_one_program_are_copied_after_the_whole_program():
     """A jitted kernel's outputs are imported once (`Executor._kernel_done`): the copy of an output
     that finishes late, or that is an input handed back, must still see its final bytes."""
@@ -110,16 +135,16 @@ def test_outputs_of_one_program_are_copied_after_the_whole_program():
 
 def test_operands_in_page_locked_host_memory_are_copied_on_the_gpu(monkeypatch):
     """An input a policy leaves in host memory is copied up into a CuPy buffer JAX imports, and an
-    output placed there is copied down on CuPy's stream (`Executor._jax_input`, `copy_into`), never
-    through the host: every input read from a region is staged, every output goes through
-    `_device_copy`, the chain reads every value intact and the manager's invariants hold."""
+    output placed there is copied down on CuPy's stream (`Executor._jax_input`, `store`), never
+    through the host: every input read from a region is staged, every output is copied by
+    `_copy_on`, the chain reads every value intact and the manager's invariants hold."""
     import jax
     from cnn.execute import Executor
     from cnn.modes import make_manager
     staged, copied = [], []
-    keep, copy = Executor._keep_staged, Executor._device_copy
+    keep, copy = Executor._keep_staged, Executor._copy_on
     monkeypatch.setattr(Executor, "_keep_staged", lambda ex, done: staged.append(len(ex._staged)) or keep(ex, done))
-    monkeypatch.setattr(Executor, "_device_copy", lambda ex, w, value: copied.append(w.nbytes) or copy(ex, w, value))
+    monkeypatch.setattr(Executor, "_copy_on", lambda ex, *a: copied.append(a[3]) or copy(ex, *a))
     with make_manager("caLM", 4096, 64 << 20, device="gpu") as m:
         assert m.slow.page_locked
         ex = Executor(m)

@@ -271,6 +271,46 @@ class ManagerMachine(RuleBasedStateMachine):
         del obj
         gc.collect()
 
+    @precondition(lambda self: self.objs)
+    @rule(data=st.data(), then=st.sampled_from(["read", "copy", "copy_async", "free", "drop_linked", "twice", "none"]))
+    def fill_later(self, data, then):
+        """A deferred fill of the primary (`Manager.fill_later`), then what must see it, copy it or drop it."""
+        key = data.draw(st.sampled_from(sorted(self.objs)))
+        obj, mirror = self.objs[key]
+        x = self.m.primary(obj)
+        writes = []
+
+        def write(contents):
+            def fill():
+                self.m.ready(x)  # after earlier readers of the region (the fill itself is not waited for)
+                writes.append(1)
+                self.m.bytes(x, wait=False)[:] = contents
+            return fill
+
+        new = self.rng.integers(0, 256, x.nbytes, dtype=np.uint8)
+        self.m.fill_later(x, write(new))
+        mirror[:] = new
+        assert writes == [] and not self.m.settled(x)
+        if then == "read":
+            assert np.array_equal(self.m.bytes(x), new) and writes == [1]
+        elif then in ("copy", "copy_async"):  # the copy carries the new bytes: the fill is issued first
+            y = self.linked_or_new(x, self.m.slow if x.device is self.m.fast else self.m.fast)
+            if y is not None:
+                (self.m.copyto if then == "copy" else self.m.copyto_async)(y, x)
+                assert writes == [1] and np.array_equal(self.m.bytes(y), new)
+        elif then == "free":
+            del self.objs[key]
+            self.m.free(obj)
+            assert writes == []  # never read: never written
+        elif then == "drop_linked":
+            self.drop_linked(data)
+        elif then == "twice":  # a second fill over the pending one replaces it
+            newer = new[::-1].copy()
+            self.m.fill_later(x, write(newer))
+            mirror[:] = newer
+            assert np.array_equal(self.m.bytes(x), newer) and writes == [1]
+        self.m.check()
+
     @invariant()
     def contents_match(self):
         self.m.check()

@@ -320,6 +320,60 @@ class PolicyMachine(RuleBasedStateMachine):
         self.arrays[self.next_key] = (y, expected)
         self.next_key += 1
 
+    @precondition(lambda self: self.arrays)
+    @rule(data=st.data(), then=st.sampled_from(["read", "evict", "prefetch", "free", "drop", "crowd", "twice", "none"]))
+    def write_later(self, data, then):
+        """New contents written later (`write_later`), then what must see them, move them or drop them."""
+        key, (x, mirror) = self._pick(data)
+        if self.m.pinned(x.object):
+            return
+        writes = []
+        shape, dtype = x.shape, x.dtype
+        plain = type(self.m.policy) is LRUPolicy  # frees without moving anything first
+
+        def deferred(contents):
+            def write(target, stream):
+                assert stream is None and target.shape == shape and target.dtype == dtype
+                writes.append(contents)
+                target[...] = contents
+            return write
+
+        new = np.frombuffer(self.rng.integers(0, 256, mirror.nbytes, dtype=np.uint8).tobytes(),
+                            dtype=mirror.dtype).reshape(mirror.shape)
+        if new.dtype == np.bool_:
+            new = new.astype(bool)
+        ca.write_later(x, deferred(new))
+        assert writes == []  # nothing needed the bytes yet
+        mirror[...] = new
+        if then == "read":
+            with readable(x) as a:
+                assert same(a, new)
+            assert len(writes) == 1
+        elif then == "evict":
+            ca.evict(x)  # a move copies from the region: the write lands first
+        elif then == "prefetch":
+            ca.prefetch(x, force=True)
+        elif then == "free":
+            ca.unsafe_free(x)
+            if not x.object.alive:  # a policy without M ignores it
+                del self.arrays[key]
+                assert writes == [] or not plain  # freed before anything read it: never written
+        elif then == "drop":
+            del self.arrays[key]
+            del x
+            gc.collect()
+            self.m.collect()
+            assert writes == [] or not plain
+        elif then == "crowd":  # allocations that may evict it
+            for _ in range(4):
+                self.create([90, 90], np.float32)
+        elif then == "twice":  # a second write before the first is made replaces it
+            newer = mirror[::-1].copy()
+            ca.write_later(x, deferred(newer))
+            mirror[...] = newer
+            assert all(w is new for w in writes)  # only a move the write use made could have made the first
+        self.m.check()
+
     @invariant()
     def consistent(self):
         self.m.check()
