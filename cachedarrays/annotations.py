@@ -59,10 +59,16 @@ def cached_arrays(tree: Any) -> Iterator[CachedArray]:
     stack = [tree]
     while stack:
         x = stack.pop()
-        if isinstance(x, CachedArray):
+        kind = type(x)
+        if kind is CachedArray or isinstance(x, CachedArray):
             if x.object.id not in seen_objects:
                 seen_objects.add(x.object.id)
                 yield x
+            continue
+        if kind is tuple or kind is list:  # the common containers, without `_children`'s dispatch
+            if id(x) not in seen_nodes:
+                seen_nodes.add(id(x))
+                stack.extend(x[::-1])
             continue
         if isinstance(x, _ATOMS) or id(x) in seen_nodes:
             continue

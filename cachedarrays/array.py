@@ -414,13 +414,14 @@ def write_later(x: CachedArray, write: Callable[[Any, Any], Any]) -> None:
     ``target`` is a numpy view of the bytes (shape and dtype of ``x``), ``stream`` None, and the
     write is done on return (returns None). It runs on whichever thread needs the bytes first,
     under the manager's lock, so it must not call the policy or take views."""
-    w = writable(x)
-    try:
-        m = x.manager
+    _require(x)
+    m = x.manager
+    # the write holds neither x nor its object: an object whose last reference dies is freed
+    # (and its write dropped) as any other
+    nbytes, dtype, shape = x.nbytes, x.dtype, x.shape
+    with m.lock():  # no move between the use and the fill (a view's pin is not needed for that)
+        x.policy.write_use(x.object)
         region = m.primary(x.object)
-        # the write holds neither x nor its object: an object whose last reference dies is freed
-        # (and its write dropped) as any other
-        nbytes, dtype, shape = x.nbytes, x.dtype, x.shape
         if region.device.cuda_reachable:
             from .devices.gpu import cupy
             stream = cupy().cuda.get_current_stream()
@@ -433,8 +434,6 @@ def write_later(x: CachedArray, write: Callable[[Any, Any], Any]) -> None:
                 m.ready(region)
                 return write(m.bytes(region, wait=False)[:nbytes].view(dtype).reshape(shape), None)
         m.fill_later(region, fill)
-    finally:
-        w.release()
 
 
 def write_now(x: CachedArray) -> None:

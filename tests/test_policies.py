@@ -333,9 +333,17 @@ class PolicyMachine(RuleBasedStateMachine):
 
         def deferred(contents):
             def write(target, stream):
-                assert stream is None and target.shape == shape and target.dtype == dtype
                 writes.append(contents)
-                target[...] = contents
+                if stream is None:  # host bytes
+                    assert target.shape == shape and target.dtype == dtype
+                    target[...] = contents
+                    return None
+                from cachedarrays.devices.gpu import CudaUse, cupy  # GPU or page-locked bytes, by address
+                cp = cupy()
+                source = np.ascontiguousarray(contents)
+                cp.cuda.runtime.memcpyAsync(target, source.ctypes.data, source.nbytes, 4, stream.ptr)
+                stream.synchronize()  # the source is this function's
+                return CudaUse(stream)
             return write
 
         new = np.frombuffer(self.rng.integers(0, 256, mirror.nbytes, dtype=np.uint8).tobytes(),
