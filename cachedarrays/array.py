@@ -31,6 +31,7 @@ from typing import Any, Callable
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
+from .engine import Completion
 from .errors import StatusError
 from .manager import Manager, Object
 
@@ -310,9 +311,10 @@ class CachedArray(NDArrayOperatorsMixin):
         mark = None
         if device is not None:
             self._gpu_consumers.add(device)
-            if region.fill is not None and not region.fill.done():
+            if isinstance(region.fill, Completion) and not region.fill.done():
                 # JAX hands out a side stream for the handshake: where its compute stream reaches
-                # this use is marked by a tiny computation dispatched now
+                # this use is marked by a tiny computation dispatched now (a copy's exposed time
+                # is counted from it; a deferred write's is not counted)
                 mark = JaxUse(device).cuda_event
         view = self._gpu_view(region, write=self._status is Status.ReadWrite, stream=consumer, mark=mark)
         return view.__dlpack__(stream=stream, **kwargs)

@@ -8,11 +8,11 @@ then stores each output as a new CachedArray allocated through the policy.  Rele
 inputs before the outputs are allocated means a kernel needs room in fast
 memory for its inputs, or for one output, never for both at once.
 
-An output's copy into its region is deferred (`cachedarrays.write_later`): the next kernel reads
-it from the JAX value, and an output freed after that without anything reading its region (the
-gradient one layer's backward hands to the next: 30% of a DenseNet step's output bytes) is never
-copied.  Anything that reads or moves the object first (a view, the policy evicting it) has the
-copy made before it; the outputs of kernels before the previous one are copied when the next
+An output's copy into its region is deferred (`cachedarrays.write_later`): the next two kernels
+read it from the JAX value (`FRESH_KERNELS`), and an output freed after that without anything
+reading its region (the gradient one layer's backward hands to the next: a third of a DenseNet
+step's output bytes) is never copied.  Anything that reads or moves the object first (a view,
+the policy evicting it) has the copy made before it; older outputs are copied when the next
 kernel starts, and all of them at `Executor.sync`.
 
 On the host the kernel runs to completion before the views are released.  On a
@@ -28,10 +28,10 @@ up the same way into a buffer of CuPy's that JAX imports.  Host memory that is
 not page-locked goes through the host, which waits.  The use records double as
 the device clock of learned prefetch (`timeline`).
 
-The next kernel reads an output of the previous one from the JAX value the
-previous kernel returned (kept until then; the same bytes as its region, as
-nothing but the executor writes an object between two kernels), so the common
-chain of one layer feeding the next costs no import and no cross-stream wait.
+The next kernels read an output of the last two from the JAX value it came as (kept until
+then; the same bytes as its region, as nothing but the executor writes an object between
+kernels), so the common chain of one layer feeding the next costs no import and no
+cross-stream wait.
 
 The executor also counts where the kernels' operands lived (fast or slow) when
 they were touched, because a kernel reading or writing the slow device directly
@@ -52,6 +52,9 @@ from cachedarrays import (CachedArray, Manager, cuda_reachable, device_pointer, 
                           release_together, writable, write_later, write_now)
 
 _COPY = 4  # cudaMemcpyDefault: the direction from the addresses (GPU memory, page-locked host memory)
+# kernels whose outputs the next kernels read from their JAX values, their copies deferred: two, so
+# that a layer's second backward kernel (weights' gradient) reads the incoming gradient from it too
+FRESH_KERNELS = 2
 
 
 @dataclass
@@ -104,7 +107,7 @@ class Executor:
         self.ahead_bytes = max(256 << 20, self.manager.fast.capacity // 4)
         self._imported: list = []  # (JAX output, its CuPy import) of the last kernel, from its use record
         self._ordered: tuple = ()  # the last kernel's outputs that CuPy's stream waits for
-        self._fresh: dict = {}  # object id -> the JAX value the last kernel stored into it (see `run`)
+        self._fresh: dict = {}  # object id -> (kernel number, the JAX value it stored), of the last kernels
         self._staged: list = []  # the running kernel's inputs copied up from host memory (CuPy buffers)
         self._kernels = 0  # kernels run so far (`run`)
         self._deferred: collections.deque = collections.deque()  # [kernel number, stored array, written?]
@@ -148,16 +151,18 @@ class Executor:
         on the host, done), after the inputs were released."""
         t0 = time.perf_counter()
         self._kernels += 1
-        self._write_stored(before=self._kernels - 1)  # outputs of the previous kernel may still die unread
+        oldest = self._kernels - FRESH_KERNELS  # the outputs of kernels from this one on are fresh
+        self._write_stored(before=oldest)  # the others are copied now, if alive
+        fresh = self._fresh
+        for stale in [i for i, (k, _) in fresh.items() if k < oldest]:
+            del fresh[stale]
         views = [readable(x) for x in inputs]
         done = None  # if the kernel raises, the views are released with records of their own
         try:
             nbytes = self._count_reads({v.object.id: v for v in views}.values())
-            # an output of the previous kernel is read from its JAX value, which holds the same bytes:
+            # an output of the last kernels is read from its JAX value, which holds the same bytes:
             # no import of the region, and on a GPU no wait for its store (JAX orders its own work)
-            fresh, self._fresh = self._fresh, {}
-            jx = [fresh[v.object.id] if v.object.id in fresh else self._jax_input(v) for v in views]
-            del fresh
+            jx = [fresh[v.object.id][1] if v.object.id in fresh else self._jax_input(v) for v in views]
             if self.tape is not None:
                 self.tape.append((kernel, [(tuple(j.shape), j.dtype) for j in jx], args, static))
             out = kernel(*jx, *args, **static)
@@ -235,11 +240,11 @@ class Executor:
     def store(self, value) -> CachedArray:
         """A kernel output as a new CachedArray placed by the policy, its bytes written later.
 
-        The copy into the region is deferred (`cachedarrays.write_later`): the next kernel reads
-        the output from the JAX value (``_fresh``), and an object freed right after that, unread
-        (a gradient passed from one layer's backward to the next), is never copied. What reads
-        or moves the object before writes it first; the outputs of kernels before the previous
-        one are written when the next kernel starts (`_write_stored`), so that at most two
+        The copy into the region is deferred (`cachedarrays.write_later`): the next
+        `FRESH_KERNELS` kernels read the output from the JAX value (``_fresh``), and an object
+        freed after them, unread (a gradient passed from one layer's backward to the next), is
+        never copied. What reads or moves the object before writes it first; older outputs are
+        written when the next kernel starts (`_write_stored`), so that at most `FRESH_KERNELS`
         kernels' outputs stay in JAX's memory beside their regions, and all at `sync`."""
         y = CachedArray(tuple(value.shape), self.manager, np.dtype(value.dtype))
         self._count_write(y)
@@ -258,7 +263,7 @@ class Executor:
 
         write_later(y, write)
         self._deferred.append(entry)
-        self._fresh[y.object.id] = value
+        self._fresh[y.object.id] = (self._kernels, value)
         return y
 
     def _write_stored(self, before: int | None = None) -> None:

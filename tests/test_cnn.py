@@ -70,21 +70,29 @@ def _double(a):
 
 
 def test_an_output_that_dies_unread_is_never_copied_into_its_region(manager):
-    """The next kernel reads an output from the JAX value; freed then, unread, it is never copied."""
+    """The next two kernels read an output from the JAX value; freed then, unread, it is never copied."""
     from cachedarrays import unsafe_free
+    from cnn.execute import FRESH_KERNELS
+    assert FRESH_KERNELS == 2
     ex = Executor(manager)
+    from_regions = []
+    jax_input = ex._jax_input
+    ex._jax_input = lambda v: from_regions.append(v.object.id) or jax_input(v)
     x = CachedArray(np.arange(64, dtype=np.float32), manager)
     (y,) = ex.call(_double, (x,))
     (z,) = ex.call(_double, (y,))  # reads y from the JAX value
-    unsafe_free(y)  # y's last use was z's kernel (what annotations do)
+    (v,) = ex.call(_double, (y,))  # so does the kernel after it
+    unsafe_free(y)  # y's last use was v's kernel (what annotations do)
     cancelled = manager.telemetry()["counters"].get("deferred_fills_cancelled", 0)
-    assert cancelled == 1 and ex.stats.copies == 0  # nothing needed z or y's bytes yet
-    (w,) = ex.call(_double, (z,))  # from z's value too; outputs of kernels before z's are written now
+    assert cancelled == 1 and ex.stats.copies == 0  # nothing needed the bytes of y, z or v yet
+    (w,) = ex.call(_double, (z,))  # from z's value too; older outputs are written now
+    assert from_regions == [x.object.id]  # every other operand came from a JAX value
     ex.sync()  # and the rest
     np.testing.assert_array_equal(np.asarray(z), np.arange(64, dtype=np.float32) * 4)
+    np.testing.assert_array_equal(np.asarray(v), np.arange(64, dtype=np.float32) * 4)
     np.testing.assert_array_equal(np.asarray(w), np.arange(64, dtype=np.float32) * 8)
     assert (ex.stats.elided, ex.stats.elided_bytes) == (1, y.nbytes)
-    assert (ex.stats.copies, ex.stats.copied) == (2, z.nbytes + w.nbytes)
+    assert (ex.stats.copies, ex.stats.copied) == (3, z.nbytes + v.nbytes + w.nbytes)
     manager.check()
 
 
