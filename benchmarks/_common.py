@@ -53,6 +53,22 @@ def time_interleaved(fns: Mapping[str, Callable[[], object]], repeats: int = 5, 
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
+def event_time(fn: Callable[[], object], repeats: int = 5) -> float:
+    """Median seconds of the GPU work ``fn`` queues on CuPy's current stream, between two CUDA
+    events (after one untimed call)."""
+    import cupy as cp
+    fn()
+    ts = []
+    for _ in range(repeats):
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record()
+        fn()
+        e1.record()
+        e1.synchronize()
+        ts.append(cp.cuda.get_elapsed_time(e0, e1) / 1e3)
+    return statistics.median(ts)
+
+
 def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 

@@ -62,10 +62,10 @@ import time
 
 try:
     from benchmarks import _paths  # noqa: F401
-    from benchmarks._common import environment, parser, print_table, print_targets, write_json
+    from benchmarks._common import environment, event_time, parser, print_table, print_targets, write_json
 except ImportError:  # run as a script
     import _paths  # noqa: F401
-    from _common import environment, parser, print_table, print_targets, write_json
+    from _common import environment, event_time, parser, print_table, print_targets, write_json
 
 MiB, GiB = 1 << 20, 1 << 30
 MODELS = {"resnet": dict(family="resnet", depth=50, width=32, image=112),
@@ -86,15 +86,9 @@ def measure_link(nbytes: int = 256 * MiB, repeats: int = 5) -> float:
     import cupy as cp
     host = cp.cuda.alloc_pinned_memory(nbytes)
     dev = cp.empty(nbytes, dtype=cp.uint8)
-    times = []
-    for _ in range(repeats + 1):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record()
-        cp.cuda.runtime.memcpyAsync(dev.data.ptr, host.ptr, nbytes, 1, cp.cuda.get_current_stream().ptr)
-        b.record()
-        b.synchronize()
-        times.append(cp.cuda.get_elapsed_time(a, b) / 1e3)
-    return nbytes / statistics.median(times[1:])
+    stream = cp.cuda.get_current_stream()
+    return nbytes / event_time(lambda: cp.cuda.runtime.memcpyAsync(dev.data.ptr, host.ptr, nbytes, 1, stream.ptr),
+                               repeats)
 
 
 # footprint - weights and momenta, over all layer outputs: 0.57-0.66 measured on small models on the CPU;
@@ -294,8 +288,8 @@ def ratio_targets(name: str, ratio: int, rows: dict, base: float | None, link: f
 
 def copy_seconds(copies: int, nbytes: int, device: str, repeats: int = 5) -> float:
     """Seconds that ``copies`` device-to-device copies of ``nbytes`` in all (equal parts) take
-    on the GPU, one after the other on one stream (CUDA events; median of ``repeats`` after one
-    untimed); on the CPU (``device``), as many host copies."""
+    on the GPU, one after the other on one stream (`event_time`); on the CPU (``device``), as
+    many host copies."""
     part = -(-nbytes // max(copies, 1))
     if device != "gpu":
         import numpy as np
@@ -310,16 +304,11 @@ def copy_seconds(copies: int, nbytes: int, device: str, repeats: int = 5) -> flo
     import cupy as cp
     src, dst = cp.ones(part, cp.uint8), cp.empty(part, cp.uint8)
     stream = cp.cuda.get_current_stream()
-    times = []
-    for _ in range(repeats + 1):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record()
+
+    def queue():
         for _ in range(copies):
             cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, part, 3, stream.ptr)  # device to device
-        b.record()
-        b.synchronize()
-        times.append(cp.cuda.get_elapsed_time(a, b) / 1e3)
-    return statistics.median(times[1:])
+    return event_time(queue, repeats)
 
 
 def main(argv=None) -> int:
@@ -403,7 +392,7 @@ def main(argv=None) -> int:
             print(f"  ours, HBM copied {hbm['output_copies']} kernel outputs a step into their regions, "
                   f"{hbm['output_copy_bytes'] / GiB:.2f} GiB: {1e3 * copying:.1f} ms of GPU time alone "
                   f"({gbps(hbm['output_copy_bytes'], copying):.0f} GB/s copied); {hbm['outputs_elided']} more "
-                  f"({hbm['output_bytes_elided'] / GiB:.2f} GiB) died unread and were not copied", flush=True)
+                  f"({hbm['output_bytes_elided'] / GiB:.2f} GiB) were never copied (dead or overwritten first)", flush=True)
             measure(BARE_COPIES, lambda: {"seconds": hbm["bare_seconds"] + copying, "copy_seconds": copying})
         if rc is not None:  # fewer kernels and fewer outputs stored: what the per-layer overhead is without them
             measure(f"ours, HBM{RECOMPUTE}",

@@ -36,10 +36,10 @@ import numpy as np
 
 try:
     from benchmarks import _paths  # noqa: F401
-    from benchmarks._common import environment, parser, print_table, print_targets, verdict, write_json
+    from benchmarks._common import environment, event_time, parser, print_table, print_targets, verdict, write_json
 except ImportError:
     import _paths  # noqa: F401
-    from _common import environment, parser, print_table, print_targets, verdict, write_json
+    from _common import environment, event_time, parser, print_table, print_targets, verdict, write_json
 
 
 def timed(fn, sync, repeats: int) -> float:
@@ -53,20 +53,6 @@ def timed(fn, sync, repeats: int) -> float:
         fn()
         sync()
         ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
-def event_time(cp, fn, repeats: int) -> float:
-    """Median seconds of ``fn`` on the GPU between two CUDA events (after one warm-up call)."""
-    fn()
-    ts = []
-    for _ in range(repeats):
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        e0.record()
-        fn()
-        e1.record()
-        e1.synchronize()
-        ts.append(cp.cuda.get_elapsed_time(e0, e1) / 1e3)
     return statistics.median(ts)
 
 
@@ -176,7 +162,7 @@ def main(argv=None) -> int:
                     t_api = timed(lambda: E.lookup(table, I), sync, reps)
                     t_ops = timed(lambda: ops.lookup(be, table.name, W, I), sync, reps)
                     t_host_idx = timed(lambda: E.lookup(table, I_host), sync, reps)
-                    t_kernel = event_time(cp, lambda: ops.run_pooled(be, out, W, bags), reps)
+                    t_kernel = event_time(lambda: ops.run_pooled(be, out, W, bags), reps)
                     t_torch = timed(lambda: torch.nn.functional.embedding_bag(It, Wt, mode="sum"), sync, reps)
                     t_jax = timed(lambda: jtake(Wj, Ij).block_until_ready(), sync, reps)
                     if k == 1 and dist == "uniform":
