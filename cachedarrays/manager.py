@@ -167,7 +167,6 @@ class Manager:
         self.engine = CopyEngine(copy_workers)
         self._inflight: collections.deque[tuple[Completion, Region, Region]] = collections.deque()
         self._busy: dict[str, list[tuple[int, int, list[Waitable]]]] = {dev.name: [] for dev in levels}
-        self._deferred: set[Region] = set()  # regions whose fill is a write not issued yet (`fill_later`)
         self.closed = False
         if any(dev.memory_space != "host" for dev in levels):
             from .devices.gpu import pagelock
@@ -492,17 +491,16 @@ class Manager:
         with self._locked():
             self._live(region)
             fill = region.fill
-            if region in self._deferred:
+            if _deferred(region):
                 fill.cancel()
                 self.telemetry_data.count("deferred_fills_cancelled")
             elif fill is not None and not fill.done():  # an earlier fill still running: the write waits for it
                 region.drains.append(fill)
             region.fill = Deferred(write)
-            self._deferred.add(region)
 
     def issue_fill(self, region: Region) -> None:
         """Issue ``region``'s deferred fill now (nothing when it has none, or was freed)."""
-        if region in self._deferred:
+        if _deferred(region):
             with self._locked():
                 self._issue(region)
 
@@ -517,7 +515,7 @@ class Manager:
         """Issue every deferred fill, then wait for every copy in flight and every recorded use of
         freed bytes (a reporting or closing wait: not counted as exposed copy time)."""
         with self._locked():
-            self._issue(*self._deferred)
+            self._issue(*(r for table in self._regions.values() for r in table.values()))
             self._finish_inflight()
             for busy in self._busy.values():
                 for _, _, waitables in busy:
@@ -696,9 +694,6 @@ class Manager:
                         raise InvariantError(f"{region} has {region.nbytes} bytes but its heap block was asked for {occupied[offset]}")
                     if region.owner is not None and region.owner.regions.get(dev.name) is not region:
                         raise InvariantError(f"{region} claims object {region.owner.id}, which does not list it")
-            for region in self._deferred:
-                if region.freed or not isinstance(region.fill, Deferred) or not region.fill.pending:
-                    raise InvariantError(f"{region} is listed with a deferred fill, but its fill is {region.fill!r}")
             for completion, dst, src in self._inflight:
                 for region in (dst, src):
                     if region.freed and not completion.done() and not any(
@@ -821,8 +816,7 @@ class Manager:
         del self._regions[dev.name][region.offset]
         region.freed = True
         region.owner = None
-        if region in self._deferred:  # a write no one will read
-            self._deferred.discard(region)
+        if _deferred(region):  # a write no one will read
             region.fill.cancel()
             self.telemetry_data.count("deferred_fills_cancelled")
         pending = region.pending()
@@ -844,8 +838,7 @@ class Manager:
     def _issue(self, *regions: Region) -> None:
         """Issue the deferred fills of ``regions`` (under the lock); those without one are skipped."""
         for region in regions:
-            if region in self._deferred:
-                self._deferred.discard(region)
+            if _deferred(region):
                 region.fill.issue()
                 self.telemetry_data.count("deferred_fills_issued")
 
@@ -944,6 +937,12 @@ class Manager:
             self._release(region)
         record.regions.clear()
         self.telemetry_data.count("objects_freed")
+
+
+def _deferred(region: Region) -> bool:
+    """Whether ``region``'s fill is a deferred write not issued yet (`Manager.fill_later`)."""
+    fill = region.fill
+    return type(fill) is Deferred and fill.pending
 
 
 def _waits(region: Region, write: bool) -> list[Waitable]:

@@ -67,10 +67,10 @@ class KernelStats:
     read_slow: int = 0
     written_fast: int = 0
     written_slow: int = 0
-    copies: int = 0                   # kernel outputs copied into their regions
+    copies: int = 0                   # kernel outputs copied into their regions (`Executor.copy_into`)
     copied: int = 0                   # their bytes: GPU work that a whole-jitted program does not do
-    elided: int = 0                   # outputs stored whose objects died before anything read their region
-    elided_bytes: int = 0             # their bytes, never copied (`Executor.store`)
+    elided: int = 0                   # outputs never copied: the object died unread, or a later write replaced them
+    elided_bytes: int = 0             # their bytes (`Executor.copy_into`)
     max_working_set: int = 0          # largest bytes of operands one kernel had pinned at once
     max_working_set_kernel: str = ""
 
@@ -238,15 +238,24 @@ class Executor:
         self._staged = []
 
     def store(self, value) -> CachedArray:
-        """A kernel output as a new CachedArray placed by the policy, its bytes written later.
+        """A kernel output as a new CachedArray placed by the policy (`copy_into` it)."""
+        y = CachedArray(tuple(value.shape), self.manager, np.dtype(value.dtype))
+        self.copy_into(y, value)
+        return y
+
+    def copy_into(self, y: CachedArray, value) -> None:
+        """Overwrite ``y`` with ``value`` (a write use: the policy marks it dirty), later.
 
         The copy into the region is deferred (`cachedarrays.write_later`): the next
-        `FRESH_KERNELS` kernels read the output from the JAX value (``_fresh``), and an object
-        freed after them, unread (a gradient passed from one layer's backward to the next), is
-        never copied. What reads or moves the object before writes it first; older outputs are
-        written when the next kernel starts (`_write_stored`), so that at most `FRESH_KERNELS`
-        kernels' outputs stay in JAX's memory beside their regions, and all at `sync`."""
-        y = CachedArray(tuple(value.shape), self.manager, np.dtype(value.dtype))
+        `FRESH_KERNELS` kernels read the value itself (``_fresh``), and an object freed after
+        them, unread (a gradient passed from one layer's backward to the next), is never copied,
+        nor is a value another write replaces first. What reads or moves the object before
+        writes it first; older values are written when the next kernel starts (`_write_stored`),
+        so that at most `FRESH_KERNELS` kernels' outputs stay in JAX's memory beside their
+        regions, and all at `sync`."""
+        if value.size != y.size or np.dtype(value.dtype) != y.dtype:
+            raise ValueError(f"a kernel output of shape {tuple(value.shape)} and dtype {value.dtype} cannot be "
+                             f"stored into an array of shape {y.shape} and dtype {y.dtype}")
         self._count_write(y)
         entry = [self._kernels, y, False]
         source, src = self._source(value) if self.gpu else (0, None)
@@ -264,40 +273,20 @@ class Executor:
         write_later(y, write)
         self._deferred.append(entry)
         self._fresh[y.object.id] = (self._kernels, value)
-        return y
 
     def _write_stored(self, before: int | None = None) -> None:
-        """Write the stored outputs of kernels numbered below ``before`` (all: None) whose objects
-        are alive and not written yet; count those that died unwritten as elided."""
+        """Write the values stored by kernels numbered below ``before`` (all: None) into their
+        objects where not written yet; count those never written (the object died first, or a
+        later write replaced the value) as elided."""
         pending = self._deferred
         while pending and (before is None or pending[0][0] < before):
-            _, y, written = pending.popleft()
-            if written:
-                continue
-            if y.object.alive:
+            entry = pending.popleft()
+            y = entry[1]
+            if not entry[2] and y.object.alive:
                 write_now(y)
-            else:
+            if not entry[2]:
                 self.stats.elided += 1
                 self.stats.elided_bytes += y.nbytes
-
-    def copy_into(self, y: CachedArray, value) -> None:
-        """Overwrite ``y`` with ``value`` (a write use: the policy marks it dirty)."""
-        self._fresh.pop(y.object.id, None)
-        if value.size != y.size or np.dtype(value.dtype) != y.dtype:
-            raise ValueError(f"a kernel output of shape {tuple(value.shape)} and dtype {value.dtype} cannot be "
-                             f"stored into an array of shape {y.shape} and dtype {y.dtype}")
-        w = writable(y)
-        try:
-            self._count_write(y)
-            self.stats.copies += 1
-            self.stats.copied += y.nbytes
-            if self.gpu and cuda_reachable(y):  # without the host waiting for the kernel
-                self._device_copy(w, value)
-                return
-            dst = w.array
-            np.copyto(dst, np.asarray(value).reshape(dst.shape), casting="no")
-        finally:
-            w.release()
 
     def _source(self, value) -> tuple[int, Any]:
         """The device address of a kernel output ``value`` for a copy on CuPy's current stream,
@@ -310,18 +299,6 @@ class Executor:
             return (value.unsafe_buffer_pointer() if value.size else 0), None
         src = cp.from_dlpack(value)  # the current stream waits for the kernel that makes it
         return src.data.ptr, src
-
-    def _device_copy(self, w: CachedArray, value) -> None:
-        """Copy ``value`` into the held view ``w``, in GPU or page-locked host memory (one
-        ``cudaMemcpyAsync`` on CuPy's stream), and release it."""
-        import cupy as cp
-        source, src = self._source(value)
-        stream = cp.cuda.get_current_stream()
-        if w.nbytes:
-            cp.cuda.runtime.memcpyAsync(device_pointer(w, stream), source, w.nbytes, _COPY, stream.ptr)
-        (use,) = release_together([w]) or (None,)
-        if use is not None:  # the release's use record marks the copy's end too
-            self._keep_until(use.cuda_event, value, src, w.nbytes)
 
     def _copy_on(self, stream, target: int, source: int, nbytes: int, value, src):
         """Copy ``nbytes`` from ``source`` to ``target`` on ``stream``; the use that marks its end."""

@@ -102,6 +102,7 @@ def test_a_stored_output_moved_or_read_before_its_write_keeps_its_contents(manag
     ex = Executor(manager)
     x = CachedArray(np.arange(4096, dtype=np.float32), manager)
     (y,) = ex.call(_double, (x,))
+    assert ex.stats.copies == 0  # deferred
     evict(y)  # the move copies the region: the output is written into it first
     assert y.device == manager.slow.name and ex.stats.copies == 1
     (z,) = ex.call(_double, (x,))
@@ -111,6 +112,19 @@ def test_a_stored_output_moved_or_read_before_its_write_keeps_its_contents(manag
     ex.sync()
     np.testing.assert_array_equal(np.asarray(y), np.arange(4096, dtype=np.float32) * 2)
     assert ex.stats.copies == 2 and ex.stats.elided == 0
+    manager.check()
+
+
+def test_a_value_replaced_before_its_copy_is_never_copied(manager):
+    """`Executor.copy_into` over a value whose copy is still deferred replaces it: one copy, not two."""
+    ex = Executor(manager)
+    x = CachedArray(np.arange(64, dtype=np.float32), manager)
+    (y,) = ex.call(_double, (x,))
+    ex.call_into(jax.jit(lambda a: a * 3), (x,), (y,))
+    ex.sync()
+    np.testing.assert_array_equal(np.asarray(y), np.arange(64, dtype=np.float32) * 3)
+    assert (ex.stats.copies, ex.stats.elided) == (1, 1)
+    assert manager.telemetry()["counters"]["deferred_fills_cancelled"] == 1
     manager.check()
 
 
