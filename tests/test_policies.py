@@ -189,8 +189,9 @@ def test_check_catches_a_policy_that_breaks_the_fast_primary_invariant():
 
 
 def same(a, b) -> bool:
-    """Bitwise equality (random bytes make NaNs, which == would call different)."""
-    a, b = np.asarray(a), np.asarray(b)
+    """Bitwise equality (random bytes make NaNs, which == would call different). CuPy arrays, which
+    GPU levels give, are brought to the host explicitly."""
+    a, b = (x.get() if hasattr(x, "get") else np.asarray(x) for x in (a, b))
     return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
