@@ -72,6 +72,14 @@ class Region:
         return f"<Region {self.device.name}[{self.offset}:+{self.nbytes}] {state}{owner}>"
 
 
+class _HandleRef(weakref.ref):
+    """The record's weak reference to its `Object` handle; when the handle dies, the reference
+    itself is queued (its callback appends it to the manager's free queue), and the queue is
+    drained under the lock at the next manager call."""
+
+    __slots__ = ("id",)
+
+
 class _Record:
     """The manager's strong record of an object; survives the handle until the free queue drains."""
 
@@ -84,7 +92,7 @@ class _Record:
         self.regions: dict[str, Region] = {primary.device.name: primary}
         self.pins = 0
         self.alive = True
-        self.handle: weakref.ref[Object] | None = None
+        self.handle: _HandleRef | None = None
         self.error: CopyError | None = None  # a failed copy, raised at the next use
 
 
@@ -116,9 +124,10 @@ class Object:
 
 
 class _Guard:
-    """``with manager._locked():`` takes the lock and, at the outermost level, drains the queues.
+    """``with manager._locked():`` when a queue waits to be drained: takes the lock and, unless
+    this thread holds it already (a nested call), drains the queues first.
 
-    A plain class rather than a generator context manager: it runs on every manager call.
+    A plain class rather than a generator context manager: it runs on manager calls.
     """
 
     __slots__ = ("m",)
@@ -128,17 +137,17 @@ class _Guard:
 
     def __enter__(self) -> None:
         m = self.m
-        m._lock.acquire()
-        m._depth += 1
-        if m._depth == 1 and (m._free_queue or m._unpin_queue):
+        lock = m._lock
+        nested = lock._is_owned()
+        lock.acquire()
+        if not nested and (m._free_queue or m._unpin_queue):
             try:
                 m._drain()
             except BaseException:
-                self.__exit__()
+                lock.release()
                 raise
 
     def __exit__(self, *exc) -> None:
-        self.m._depth -= 1
         self.m._lock.release()
 
 
@@ -174,13 +183,11 @@ class Manager:
                 if dev.memory_space == "host":
                     pagelock(dev)
         self._lock = threading.RLock()
-        self._depth = 0
         self._guard = _Guard(self)
         self._next_id = 1
         self._records: dict[int, _Record] = {}
-        self._handles: weakref.WeakValueDictionary[int, Object] = weakref.WeakValueDictionary()
         self._regions: dict[str, dict[int, Region]] = {name: {} for name in self.devices}
-        self._free_queue: collections.deque[int] = collections.deque()
+        self._free_queue: collections.deque[_HandleRef] = collections.deque()  # handles that died
         self._unpin_queue: collections.deque[_Record] = collections.deque()
         self.telemetry_data = Telemetry(self.devices)
         self.policy = None
@@ -227,18 +234,20 @@ class Manager:
             return found
 
     # ------------------------------------------------------------------ locking and the free queue
-    def _locked(self) -> "_Guard":
-        return self._guard
+    def _locked(self):
+        """The lock as a context manager: the plain re-entrant lock (no Python frames, as it is
+        taken dozens of times a kernel) when no queue waits, else the `_Guard` that drains them."""
+        return self._guard if self._free_queue or self._unpin_queue else self._lock
 
     def lock(self):
         """The manager's re-entrant lock, for policies that must make several calls atomically."""
-        return self._locked()
+        return self._guard if self._free_queue or self._unpin_queue else self._lock
 
     def _drain(self) -> None:
         while self._unpin_queue:
             self._unpin_queue.popleft().pins -= 1
         while self._free_queue:
-            record = self._records.get(self._free_queue.popleft())
+            record = self._records.get(self._free_queue.popleft().id)
             if record is not None and record.alive:
                 self._free_record(record)
 
@@ -261,10 +270,8 @@ class Manager:
             region.owner = record
             self._records[record.id] = record
             handle = Object(self, record)
-            record.handle = weakref.ref(handle)
-            self._handles[record.id] = handle
-            fin = weakref.finalize(handle, self._free_queue.append, record.id)
-            fin.atexit = False
+            record.handle = ref = _HandleRef(handle, self._free_queue.append)
+            ref.id = record.id
             self.telemetry_data.count("objects_created")
             return handle
 
@@ -277,12 +284,12 @@ class Manager:
         """The live object with id ``id_``, or None."""
         with self._locked():
             record = self._records.get(id_)
-            return self._handles.get(id_) if record is not None and record.alive else None
+            return record.handle() if record is not None and record.alive else None
 
     def objects(self, since: int = 0) -> list[Object]:
         """Every live object with id ``>= since`` (those whose handle is still referenced)."""
         with self._locked():
-            return [h for i, h in list(self._handles.items()) if i >= since and i in self._records]
+            return [h for i, r in list(self._records.items()) if i >= since and (h := r.handle()) is not None]
 
     def primary(self, obj: Object) -> Region:
         return self._rec(obj).primary
