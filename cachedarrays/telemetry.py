@@ -24,23 +24,32 @@ class Telemetry:
         self.counters: collections.Counter[str] = collections.Counter()
         self.copies: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0, 0, 0.0, 0.0, 0.0])
         self.high_water = {name: 0 for name in devices}
-        self.timeline: collections.deque[tuple[float, dict[str, int]]] = collections.deque(maxlen=TIMELINE_LENGTH)
+        # occupancy over time, one change per entry (seconds, device name, its used bytes), on top
+        # of every device's use before the first (``_base``); `snapshot` expands it
+        self.timeline: collections.deque[tuple[float, str, int]] = collections.deque()
+        self._base = {name: dev.used_bytes for name, dev in self._devices.items()}
+        self._keys = {name: tuple(f"{k}:{name}" for k in ("allocations", "bytes_allocated", "frees", "bytes_freed"))
+                      for name in devices}
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] += n
 
     def allocated(self, device, nbytes: int) -> None:
-        self.counters[f"allocations:{device.name}"] += 1
-        self.counters[f"bytes_allocated:{device.name}"] += nbytes
+        name = device.name
+        keys = self._keys[name]
+        self.counters[keys[0]] += 1
+        self.counters[keys[1]] += nbytes
         used = device.used_bytes
-        if used > self.high_water[device.name]:
-            self.high_water[device.name] = used
-        self._sample()
+        if used > self.high_water[name]:
+            self.high_water[name] = used
+        self._sample(name, used)
 
     def freed(self, device, nbytes: int) -> None:
-        self.counters[f"frees:{device.name}"] += 1
-        self.counters[f"bytes_freed:{device.name}"] += nbytes
-        self._sample()
+        name = device.name
+        keys = self._keys[name]
+        self.counters[keys[2]] += 1
+        self.counters[keys[3]] += nbytes
+        self._sample(name, device.used_bytes)
 
     def copied(self, src, dst, nbytes: int, measured: float, modeled: float) -> None:
         entry = self.copies[(src.name, dst.name)]
@@ -55,16 +64,29 @@ class Telemetry:
         entry[2] += seconds
         entry[4] += min(exposed, seconds)
 
-    def _sample(self) -> None:
-        self.timeline.append((time.perf_counter() - self.t0,
-                              {name: dev.used_bytes for name, dev in self._devices.items()}))
+    def _sample(self, name: str, used: int) -> None:
+        timeline = self.timeline
+        if len(timeline) >= TIMELINE_LENGTH:  # the oldest change folds into the base
+            _, old, value = timeline.popleft()
+            self._base[old] = value
+        timeline.append((time.perf_counter() - self.t0, name, used))
+
+    def _occupancy_timeline(self) -> list[tuple[float, dict[str, int]]]:
+        """``(seconds, {device: used bytes})`` after each allocation or free."""
+        current = dict(self._base)
+        out = []
+        for t, name, used in self.timeline:
+            current[name] = used
+            out.append((t, dict(current)))
+        return out
 
     def reset(self) -> None:
         """Zero every counter and the timeline (high-water marks restart from current use)."""
         self.counters.clear()
         self.copies.clear()
         self.timeline.clear()
-        self.high_water = {name: dev.used_bytes for name, dev in self._devices.items()}
+        self._base = {name: dev.used_bytes for name, dev in self._devices.items()}
+        self.high_water = dict(self._base)
         self.t0 = time.perf_counter()
 
     def snapshot(self) -> dict:
@@ -84,5 +106,5 @@ class Telemetry:
             "occupancy": {name: {"used": dev.used_bytes, "capacity": dev.capacity,
                                  "high_water": self.high_water[name]}
                           for name, dev in self._devices.items()},
-            "timeline": [(t, dict(u)) for t, u in self.timeline],
+            "timeline": self._occupancy_timeline(),
         }
