@@ -32,6 +32,16 @@ from ..manager import Manager, Object, Region
 from ..units import format_size
 
 
+class _Unattached:
+    """``policy.m`` before `Policy.attach`, which sets the attribute itself (read dozens of times a
+    kernel, so a plain attribute rather than a property): an error that says how to attach."""
+
+    def __get__(self, policy, owner=None):
+        if policy is None:
+            return self
+        raise RuntimeError(f"{type(policy).__name__} is not attached to a manager: Manager(fast, slow, policy=...)")
+
+
 class Policy:
     """Base class for placement policies; see the module docstring for the hooks.
 
@@ -50,16 +60,13 @@ class Policy:
     def attach(self, manager: Manager) -> None:
         if self.manager is not None and self.manager is not manager:
             raise ValueError("this policy is already attached to another manager")
-        self.manager = manager
+        self.manager = self.m = manager
         self.levels: list[Device] = list(manager.levels)
         self.fast = manager.fast
         self.slow = manager.slow
+        self._largest = max(dev.capacity for dev in self.levels)
 
-    @property
-    def m(self) -> Manager:
-        if self.manager is None:
-            raise RuntimeError(f"{type(self).__name__} is not attached to a manager: Manager(fast, slow, policy=...)")
-        return self.manager
+    m: Manager = _Unattached()  # type: ignore[assignment]
 
     # ------------------------------------------------------------------ hooks for subclasses
     def placement(self, nbytes: int) -> Device:
@@ -359,7 +366,7 @@ class Policy:
         return region
 
     def _fits_somewhere(self, nbytes: int) -> None:
-        if nbytes > max(dev.capacity for dev in self.levels):
+        if nbytes > self._largest:
             sizes = ", ".join(f"{dev.name} {format_size(dev.capacity)}" for dev in self.levels)
             raise OutOfMemoryError(f"requested {nbytes} bytes ({format_size(nbytes)}), larger than every level "
                                   f"({sizes})")
