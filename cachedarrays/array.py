@@ -507,9 +507,12 @@ def _unwrap_key(key):
 
 
 def _wrap(x: CachedArray, status: Status) -> CachedArray:
-    view = CachedArray(x.shape, x.manager, x.dtype, _object=x.object, _status=status)
+    """A pinned view of ``x``'s object (the caller holds the manager's lock): ``x``'s fields,
+    copied without `CachedArray.__init__`'s checks, which ``x`` passed."""
     x.manager.pin(x.object)
-    view._pinned = True
+    view = CachedArray.__new__(CachedArray)
+    view.__dict__.update(manager=x.manager, policy=x.policy, _status=status, _released=False, _gpu_consumers=set(),
+                         shape=x.shape, dtype=x.dtype, object=x.object, _pinned=True)
     return view
 
 

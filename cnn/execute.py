@@ -41,6 +41,7 @@ is traffic the manager's copy counters do not see.
 from __future__ import annotations
 
 import collections
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -240,7 +241,7 @@ class Executor:
     def store(self, value) -> CachedArray:
         """A kernel output as a new CachedArray placed by the policy (`copy_into` it)."""
         y = CachedArray(tuple(value.shape), self.manager, np.dtype(value.dtype))
-        self.copy_into(y, value)
+        self._write_later(y, value)
         return y
 
     def copy_into(self, y: CachedArray, value) -> None:
@@ -253,9 +254,13 @@ class Executor:
         writes it first; older values are written when the next kernel starts (`_write_stored`),
         so that at most `FRESH_KERNELS` kernels' outputs stay in JAX's memory beside their
         regions, and all at `sync`."""
-        if value.size != y.size or np.dtype(value.dtype) != y.dtype:
+        if math.prod(value.shape) != y.size or np.dtype(value.dtype) != y.dtype:
             raise ValueError(f"a kernel output of shape {tuple(value.shape)} and dtype {value.dtype} cannot be "
                              f"stored into an array of shape {y.shape} and dtype {y.dtype}")
+        self._write_later(y, value)
+
+    def _write_later(self, y: CachedArray, value) -> None:
+        """`copy_into` for a ``value`` of ``y``'s size and dtype."""
         self._count_write(y)
         entry = [self._kernels, y, False]
         source, src = self._source(value) if self.gpu else (0, None)
@@ -296,7 +301,7 @@ class Executor:
         if src is not None:
             return src.data.ptr, src
         if any(o is value for o in self._ordered):  # the stream already waits for the program that made it
-            return (value.unsafe_buffer_pointer() if value.size else 0), None
+            return (value.unsafe_buffer_pointer() if math.prod(value.shape) else 0), None
         src = cp.from_dlpack(value)  # the current stream waits for the kernel that makes it
         return src.data.ptr, src
 

@@ -77,9 +77,10 @@ class GradStore:
         if not self.users[g.object.id]:
             del self.users[g.object.id]
 
-    def ids(self) -> set[int]:
-        """The object ids of the gradients held."""
-        return {g.object.id for g in self.grads.values()}
+    def ids(self):
+        """The object ids of the gradients held (a live set-like view: ``users`` counts, per
+        gradient object, the tensors it serves)."""
+        return self.users.keys()
 
 
 class Tape:
