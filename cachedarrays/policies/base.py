@@ -182,7 +182,7 @@ class Policy:
             m = self.m
             target = self.prefetch_target(obj) if to is None else to
             x = m.primary(obj)
-            if m.level(x.device) <= m.level(target):
+            if x.device is target or m.level(x.device) <= m.level(target):  # the first test: the common case
                 return True
             if m.pinned(obj) or x.nbytes > target.capacity:
                 return False
