@@ -56,6 +56,7 @@ _COPY = 4  # cudaMemcpyDefault: the direction from the addresses (GPU memory, pa
 # kernels whose outputs the next kernels read from their JAX values, their copies deferred: two, so
 # that a layer's second backward kernel (weights' gradient) reads the incoming gradient from it too
 FRESH_KERNELS = 2
+KEEP_POLL = 8  # kept kernel outputs whose copies may have ended are looked at once every this many copies
 
 
 @dataclass
@@ -322,6 +323,8 @@ class Executor:
         keep = self._keep
         keep.append((event, value, src, nbytes))
         self._keep_bytes += nbytes
+        if len(keep) % KEEP_POLL and self._keep_bytes <= self.ahead_bytes:
+            return  # the oldest copy's end is asked once every KEEP_POLL copies (a driver call)
         while keep and (keep[0][0].done or self._keep_bytes > self.ahead_bytes):
             event, _, _, n = keep.popleft()
             event.synchronize()

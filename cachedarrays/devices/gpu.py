@@ -147,15 +147,20 @@ def elapsed(start, end) -> float:
 class CudaUse:
     """A consumer's use of a region on a stream, up to the event recorded when the view was released."""
 
-    __slots__ = ("cuda_event",)
+    __slots__ = ("cuda_event", "_done")
 
     def __init__(self, stream=None):
         cp = cupy()
         self.cuda_event = cp.cuda.Event()  # timed: it may mark where a consumer waited on a copy
         self.cuda_event.record(stream if stream is not None else cp.cuda.get_current_stream())
+        self._done = False
 
     def done(self) -> bool:
-        return bool(self.cuda_event.done)
+        # a use stays done: remembered, as drains and fills are asked again and again (each
+        # question of the event is a driver call)
+        if not self._done:
+            self._done = bool(self.cuda_event.done)
+        return self._done
 
     def wait(self) -> float:
         """Block until the consumer's work is done; returns the seconds blocked (the Waitable protocol)."""
