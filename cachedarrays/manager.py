@@ -3,9 +3,9 @@
 This is Table 4.4 of the dissertation.  The manager tracks every *object*, its
 *primary region* and its *linked regions* (at most one per device), dirty bits,
 pin counts and telemetry.  It makes no placement decisions: a policy does, using
-only the methods here.  One re-entrant lock guards all state; object finalizers
-only append ids to a free queue, which is drained under the lock at the next
-manager call, so garbage collection can never run manager code at a bad moment.
+only the methods here.  One re-entrant lock guards all state; when an object's handle
+dies, its weak reference's callback only appends to a free queue, which is drained under the
+lock at the next manager call, so garbage collection can never run manager code at a bad moment.
 
 Devices form *levels*, fastest first: ``Manager(GPU(..), DRAM(..), PM(..))``; ``fast`` is the
 first and ``slow`` the last, so two-level code keeps working.  A region's *dirty* bit says it is
