@@ -102,13 +102,12 @@ class Executor:
     def __post_init__(self):
         self.gpu = self.manager.fast.memory_space != "host"
         self._device = None
-        self._keep: collections.deque = collections.deque()  # (event, value, import, bytes) until copied
+        self._keep: collections.deque = collections.deque()  # (event, what it must outlive, bytes)
         self._keep_bytes = 0
         # outputs whose copies are still queued live in JAX's memory, outside the budget: the host may
         # run this far ahead of the GPU before it waits for the oldest copy
         self.ahead_bytes = max(256 << 20, self.manager.fast.capacity // 4)
-        self._imported: list = []  # (JAX output, its CuPy import) of the last kernel, from its use record
-        self._ordered: tuple = ()  # the last kernel's outputs that CuPy's stream waits for
+        self._ordered: tuple = ()  # the last kernel's outputs, which CuPy's stream waits for
         self._fresh: dict = {}  # object id -> (kernel number, the JAX value it stored), of the last kernels
         self._staged: list = []  # the running kernel's inputs copied up from host memory (CuPy buffers)
         self._kernels = 0  # kernels run so far (`run`)
@@ -208,25 +207,24 @@ class Executor:
 
     def _kernel_done(self, outs: tuple, inputs: list, one_program: bool):
         """A use record at the end of a dispatched kernel: CuPy's stream waits for its outputs (the
-        DLPack handshake, on the GPU), then an event.  It stands for the kernel's reads of all its
-        inputs, and the imports are reused by `store`, where a JAX marker computation per kernel
-        cost about a millisecond of host time on an H100 host.
+        DLPack stream handshake, on the GPU), then an event.  It stands for the kernel's reads of
+        all its inputs, and `store` copies the outputs after it, where a JAX marker computation per
+        kernel cost about a millisecond of host time on an H100 host.
 
         A jitted kernel (``one_program``) is one XLA program, whose outputs are defined together:
-        one output it computed is imported, which orders CuPy's stream after the whole program, and
-        the others are copied from their addresses without an import of their own (an import costs
-        tens of microseconds of host time).  An output that is one of the inputs handed back
-        unchanged is imported too.  Any other callable may run several programs: every output is
-        imported."""
+        CuPy's stream waits for one output it computed, which orders it after the whole program.
+        An output that is one of the inputs handed back unchanged is waited for too.  Any other
+        callable may run several programs: every output is waited for."""
         from cachedarrays.devices.gpu import CudaUse
-        import cupy as cp
-        imports = outs
+        waits = outs
         if one_program:
             forwarded = [o for o in outs if any(o is x for x in inputs)]
             computed = next((o for o in outs if not any(o is f for f in forwarded)), None)
-            imports = forwarded + ([computed] if computed is not None else [])
-        self._imported = [(o, cp.from_dlpack(o)) for o in imports]
-        self._ordered = outs if one_program else ()
+            waits = forwarded + ([computed] if computed is not None else [])
+        stream = _stream_handle()
+        for o in waits:
+            _wait_for(o, stream)
+        self._ordered = outs
         return CudaUse()
 
     def _keep_staged(self, done) -> None:
@@ -236,7 +234,7 @@ class Executor:
             import cupy as cp
             cp.cuda.Device(self.manager.fast.index).synchronize()
         else:
-            self._keep.append((done.cuda_event, self._staged, None, 0))
+            self._keep.append((done.cuda_event, self._staged, 0))
         self._staged = []
 
     def store(self, value) -> CachedArray:
@@ -264,7 +262,7 @@ class Executor:
         """`copy_into` for a ``value`` of ``y``'s size and dtype."""
         self._count_write(y)
         entry = [self._kernels, y, False]
-        source, src = self._source(value) if self.gpu else (0, None)
+        source = self._source(value) if self.gpu else 0
         nbytes = y.nbytes
 
         def write(target, stream):
@@ -274,7 +272,7 @@ class Executor:
             if stream is None:  # host bytes (numpy)
                 np.copyto(target, np.asarray(value).reshape(target.shape), casting="no")
                 return None
-            return self._copy_on(stream, target, source, nbytes, value, src)
+            return self._copy_on(stream, target, source, nbytes, value)
 
         write_later(y, write)
         self._deferred.append(entry)
@@ -294,39 +292,34 @@ class Executor:
                 self.stats.elided += 1
                 self.stats.elided_bytes += y.nbytes
 
-    def _source(self, value) -> tuple[int, Any]:
+    def _source(self, value) -> int:
         """The device address of a kernel output ``value`` for a copy on CuPy's current stream,
-        ordered after the kernel that makes it, and the CuPy import that owns it (None: none)."""
-        import cupy as cp
-        src = next((c for o, c in self._imported if o is value), None)
-        if src is not None:
-            return src.data.ptr, src
-        if any(o is value for o in self._ordered):  # the stream already waits for the program that made it
-            return (value.unsafe_buffer_pointer() if math.prod(value.shape) else 0), None
-        src = cp.from_dlpack(value)  # the current stream waits for the kernel that makes it
-        return src.data.ptr, src
+        which is ordered after the kernel that makes it."""
+        if not any(o is value for o in self._ordered):  # not an output of the last kernel
+            _wait_for(value, _stream_handle())
+        return value.unsafe_buffer_pointer() if math.prod(value.shape) else 0
 
-    def _copy_on(self, stream, target: int, source: int, nbytes: int, value, src):
+    def _copy_on(self, stream, target: int, source: int, nbytes: int, value):
         """Copy ``nbytes`` from ``source`` to ``target`` on ``stream``; the use that marks its end."""
         import cupy as cp
         from cachedarrays.devices.gpu import CudaUse
         if nbytes:
             cp.cuda.runtime.memcpyAsync(target, source, nbytes, _COPY, stream.ptr)
         use = CudaUse(stream)
-        self._keep_until(use.cuda_event, value, src, nbytes)
+        self._keep_until(use.cuda_event, value, nbytes)
         return use
 
-    def _keep_until(self, event, value, src, nbytes: int) -> None:
-        """Keep ``value`` (and its import ``src``) referenced until ``event``: its owner, JAX, would
+    def _keep_until(self, event, value, nbytes: int) -> None:
+        """Keep ``value`` referenced until ``event``: its owner, JAX, would
         reuse the bytes at once, without waiting for our stream. The host waits for the oldest
         kept copies once more than `ahead_bytes` are queued."""
         keep = self._keep
-        keep.append((event, value, src, nbytes))
+        keep.append((event, value, nbytes))
         self._keep_bytes += nbytes
         if len(keep) % KEEP_POLL and self._keep_bytes <= self.ahead_bytes:
             return  # the oldest copy's end is asked once every KEEP_POLL copies (a driver call)
         while keep and (keep[0][0].done or self._keep_bytes > self.ahead_bytes):
-            event, _, _, n = keep.popleft()
+            event, _, n = keep.popleft()
             event.synchronize()
             self._keep_bytes -= n
 
@@ -389,6 +382,24 @@ class Executor:
             self._keep.clear()
             self._keep_bytes = 0
         self._fresh.clear()
+
+
+def _stream_handle() -> int:
+    """CuPy's current stream as a DLPack ``stream`` argument, as `cupy.from_dlpack` passes it (the
+    null stream as the default stream's handle: 1, CUDA's legacy stream, unless per-thread)."""
+    import cupy as cp
+    ptr = cp.cuda.get_current_stream().ptr
+    if ptr == 0:
+        default = getattr(cp.cuda.stream, "get_default_stream_ptr", None)
+        ptr = default() if default is not None else 1
+    return ptr
+
+
+def _wait_for(value, stream: int) -> None:
+    """Make ``stream`` wait until JAX has written ``value``, without a host wait: the DLPack stream
+    handshake of an import (JAX orders the consumer's stream after the buffer's definition event),
+    without the import (the capsule is dropped unconsumed, which releases JAX's buffer at once)."""
+    value.__dlpack__(stream=stream)
 
 
 def replay(tape: Sequence[tuple], device: Any = None) -> Callable[[], None]:

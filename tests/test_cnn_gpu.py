@@ -104,8 +104,9 @@ def test_outputs_that_die_unread_are_not_copied_and_moved_ones_are_written_first
 
 
 def test_outputs_of_one_program_are_copied_after_the_whole_program():
-    """A jitted kernel's outputs are imported once (`Executor._kernel_done`): the copy of an output
-    that finishes late, or that is an input handed back, must still see its final bytes."""
+    """CuPy's stream waits for one output of a jitted kernel (`Executor._kernel_done`, the DLPack
+    stream handshake without an import): the copy of an output that finishes late, or that is an
+    input handed back, must still see its final bytes."""
     import jax
     import jax.numpy as jnp
     from cnn.execute import Executor
