@@ -51,7 +51,7 @@ class Completion:
     """
 
     __slots__ = ("src", "dst", "nbytes", "submitted", "started", "finished", "error", "waited",
-                 "cuda_start", "cuda_end", "gpu_uses", "issued", "_event", "__weakref__")
+                 "cuda_start", "cuda_end", "gpu_uses", "issued", "_done", "_event", "__weakref__")
 
     def __init__(self, src: str, dst: str, nbytes: int, background: bool = True):
         self.src = src
@@ -66,6 +66,7 @@ class Completion:
         self.cuda_end = None
         self.gpu_uses: list = []  # CUDA events recorded on consumer streams that waited on this copy
         self.issued = False
+        self._done = False  # remembered once true: the manager asks in-flight copies at every allocation
         self._event = threading.Event() if background else None  # a copy on this thread needs none
 
     @property
@@ -93,9 +94,12 @@ class Completion:
 
     # ---------------------------------------------------------------- consumer side
     def done(self) -> bool:
+        if self._done:
+            return True
         if not self.issued:
             return False
-        return self.cuda_end is None or self.error is not None or bool(self.cuda_end.done)
+        self._done = self.cuda_end is None or self.error is not None or bool(self.cuda_end.done)
+        return self._done
 
     def wait(self, account: bool = True) -> float:
         """Block until the copy is done; returns the seconds spent blocked (0 if it was done).
