@@ -313,9 +313,10 @@ class CachedArray(NDArrayOperatorsMixin):
             self._gpu_consumers.add(device)
             if isinstance(region.fill, Completion) and not region.fill.done():
                 # JAX hands out a side stream for the handshake: where its compute stream reaches
-                # this use is marked by a tiny computation dispatched now (a copy's exposed time
-                # is counted from it; a deferred write's is not counted)
-                mark = JaxUse(device).cuda_event
+                # this use is marked by a tiny computation dispatched now, or after the JAX value
+                # `jax_array` was told of (a copy's exposed time is counted from it; a deferred
+                # write's is not counted)
+                mark = JaxUse(device, self.__dict__.get("_after")).cuda_event
         view = self._gpu_view(region, write=self._status is Status.ReadWrite, stream=consumer, mark=mark)
         return view.__dlpack__(stream=stream, **kwargs)
 
@@ -331,9 +332,14 @@ _JAX_VIEWS: "weakref.WeakKeyDictionary[Manager, dict]" = weakref.WeakKeyDictiona
 JAX_VIEWS_KEPT = 4096  # per manager: the oldest kept view goes when one more would pass this
 
 
-def jax_array(view: CachedArray):
+def jax_array(view: CachedArray, after: Any = None):
     """A zero-copy JAX array of a `readable` (or `writable`) view's bytes, for a kernel to read while
     the view is held; on a GPU, releasing the view records JAX's use of the region.
+
+    ``after`` (GPU): a JAX array made by the last computation dispatched to the device (the
+    previous kernel's output), after which the kernel that reads this array starts; where a
+    copy into the region is still running, that point marks the start of the copy's exposed time
+    (`devices.gpu.JaxUse`) without a marker computation of its own.
 
     Importing through DLPack costs host time on every call (the stream handshake and CuPy's and
     JAX's wrappers), so the JAX arrays made are kept, keyed by the bytes they alias (device, offset,
@@ -358,7 +364,11 @@ def jax_array(view: CachedArray):
             view._gpu_consumers.add(_jax_device(region.device.index))
         return arr
     import jax
-    arr = jax.dlpack.from_dlpack(view)
+    view._after = after
+    try:
+        arr = jax.dlpack.from_dlpack(view)
+    finally:
+        view._after = None
     if view.nbytes and arr.unsafe_buffer_pointer() == region.device.address(region.offset):
         if views is None:
             views = _JAX_VIEWS[m] = {}

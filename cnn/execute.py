@@ -108,6 +108,7 @@ class Executor:
         # run this far ahead of the GPU before it waits for the oldest copy
         self.ahead_bytes = max(256 << 20, self.manager.fast.capacity // 4)
         self._ordered: tuple = ()  # the last kernel's outputs, which CuPy's stream waits for
+        self._latest = None  # an output the last jitted kernel computed (marks where JAX's stream is)
         self._fresh: dict = {}  # object id -> (kernel number, the JAX value it stored), of the last kernels
         self._staged: list = []  # the running kernel's inputs copied up from host memory (CuPy buffers)
         self._kernels = 0  # kernels run so far (`run`)
@@ -138,7 +139,7 @@ class Executor:
                 cp.cuda.runtime.memcpyAsync(buf.data.ptr, device_pointer(view, stream), view.nbytes, _COPY, stream.ptr)
             self._staged.append(buf)
             return jax.dlpack.from_dlpack(buf)  # JAX's stream waits for CuPy's
-        return jax_array(view)
+        return jax_array(view, after=self._latest)
 
     def _gpu_device(self):
         if self._device is None:
@@ -221,6 +222,8 @@ class Executor:
             forwarded = [o for o in outs if any(o is x for x in inputs)]
             computed = next((o for o in outs if not any(o is f for f in forwarded)), None)
             waits = forwarded + ([computed] if computed is not None else [])
+            if computed is not None:
+                self._latest = computed
         stream = _stream_handle()
         for o in waits:
             _wait_for(o, stream)

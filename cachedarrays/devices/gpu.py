@@ -181,8 +181,17 @@ class JaxUse(CudaUse):
     _stream = None
     _markers: dict = {}  # JAX device -> (a zero there, the jitted + 1 that makes the marker from it)
 
-    def __init__(self, jax_device):
+    def __init__(self, jax_device, after=None):
+        """``after``: a JAX array on ``jax_device`` made by the last computation dispatched there
+        (a kernel's output), which marks the same point without a marker computation: the side
+        stream waits for it through the DLPack stream handshake alone."""
         cp = cupy()
+        if JaxUse._stream is None:
+            JaxUse._stream = cp.cuda.Stream(non_blocking=True)
+        if after is not None:
+            after.__dlpack__(stream=JaxUse._stream.ptr)
+            super().__init__(JaxUse._stream)
+            return
         entry = JaxUse._markers.get(jax_device)
         if entry is None:
             import jax
@@ -194,8 +203,6 @@ class JaxUse(CudaUse):
                                                    jax.jit(lambda x: x + 1))
         zero, plus_one = entry
         marker = plus_one(zero)
-        if JaxUse._stream is None:
-            JaxUse._stream = cp.cuda.Stream(non_blocking=True)
         with JaxUse._stream:
             cp.from_dlpack(marker)
         super().__init__(JaxUse._stream)
