@@ -85,7 +85,7 @@ class CachedArray(NDArrayOperatorsMixin):
         if isinstance(data_or_shape, (int, np.integer)) or (
                 isinstance(data_or_shape, tuple) and all(isinstance(d, (int, np.integer)) for d in data_or_shape)):
             shape = (int(data_or_shape),) if isinstance(data_or_shape, (int, np.integer)) else tuple(map(int, data_or_shape))
-            if any(d < 0 for d in shape):
+            if shape and min(shape) < 0:
                 raise ValueError(f"negative dimension in shape {shape}")
             source = None
             dtype = _check_dtype(np.float64 if dtype is None else dtype)
@@ -98,10 +98,11 @@ class CachedArray(NDArrayOperatorsMixin):
                 source = np.asarray(data_or_shape, dtype=dtype)
             dtype, shape = _check_dtype(source.dtype), source.shape
         self.shape, self.dtype = shape, dtype
-        allocate = {None: self.policy.new, "fast": self.policy.alloc_fast, "slow": self.policy.alloc_slow}.get(place)
+        policy = self.policy
+        allocate = policy.new if place is None else {"fast": policy.alloc_fast, "slow": policy.alloc_slow}.get(place)
         if allocate is None:
             raise ValueError(f"place must be None, 'fast' or 'slow', got {place!r}")
-        self.object = allocate(max(self.nbytes, 1))
+        self.object = allocate(max(math.prod(shape) * dtype.itemsize, 1))
         if source is not None and self.nbytes:
             with writable(self) as dst:
                 assign_into(dst, source)
