@@ -234,14 +234,14 @@ class Manager:
             return found
 
     # ------------------------------------------------------------------ locking and the free queue
-    def _locked(self):
-        """The lock as a context manager: the plain re-entrant lock (no Python frames, as it is
-        taken dozens of times a kernel) when no queue waits, else the `_Guard` that drains them."""
+    def lock(self):
+        """The manager's re-entrant lock, for policies that must make several calls atomically.
+
+        As a context manager: the plain `RLock` (no Python frames, as it is taken dozens of times
+        a kernel) when no queue waits, else the `_Guard` that drains the queues first."""
         return self._guard if self._free_queue or self._unpin_queue else self._lock
 
-    def lock(self):
-        """The manager's re-entrant lock, for policies that must make several calls atomically."""
-        return self._guard if self._free_queue or self._unpin_queue else self._lock
+    _locked = lock  # the manager's own calls
 
     def _drain(self) -> None:
         while self._unpin_queue:
