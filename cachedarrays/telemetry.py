@@ -20,14 +20,12 @@ class Telemetry:
 
     def __init__(self, devices: Mapping[str, object]):
         self._devices = dict(devices)
-        self.t0 = time.perf_counter()
         self.counters: collections.Counter[str] = collections.Counter()
         self.copies: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0, 0, 0.0, 0.0, 0.0])
-        self.high_water = {name: 0 for name in devices}
         # occupancy over time, one change per entry (seconds, device name, its used bytes), on top
         # of every device's use before the first (``_base``); `snapshot` expands it
         self.timeline: collections.deque[tuple[float, str, int]] = collections.deque()
-        self._base = {name: dev.used_bytes for name, dev in self._devices.items()}
+        self.reset()  # the base, the high-water marks and t0
         self._keys = {name: tuple(f"{k}:{name}" for k in ("allocations", "bytes_allocated", "frees", "bytes_freed"))
                       for name in devices}
 
