@@ -321,3 +321,52 @@ class ManagerMachine(RuleBasedStateMachine):
 
 TestManagerMachine = ManagerMachine.TestCase
 TestManagerMachine.settings = settings(max_examples=25, stateful_step_count=40, deadline=None)
+
+
+def test_the_occupancy_timeline_keeps_the_latest_changes_on_top_of_the_folded_older_ones(monkeypatch):
+    """Each allocation or free records one device's use (`Telemetry._sample`); past
+    `TIMELINE_LENGTH` the oldest change folds into the timeline's start, so every entry still
+    shows every device's use after that change, as sampled in full."""
+    from cachedarrays import telemetry
+    monkeypatch.setattr(telemetry, "TIMELINE_LENGTH", 5)
+    m = Manager(DRAM("1MiB"), DRAM("1MiB", name="DRAM2"))
+    want, regions = [], []
+    for i in range(9):  # alternate the devices, so that the kept entries need folded values of the other
+        device = m.levels[i % 2]
+        if i in (4, 7):
+            m.free(regions.pop(0))
+        else:
+            regions.append(m.allocate(device, 4096 * (i + 1)))
+        want.append({d.name: d.used_bytes for d in m.levels})
+    timeline = m.telemetry()["timeline"]
+    assert [u for _, u in timeline] == want[-5:]
+    assert [t for t, _ in timeline] == sorted(t for t, _ in timeline)
+    m.reset_telemetry()
+    assert m.telemetry()["timeline"] == []
+    m.free(regions.pop())
+    assert [u for _, u in m.telemetry()["timeline"]] == [{d.name: d.used_bytes for d in m.levels}]
+    for r in regions:
+        m.free(r)
+    m.check()
+
+
+def test_an_object_that_dies_inside_a_locked_section_is_freed_only_after_it(manager):
+    """A handle dying while this thread holds the lock only queues its object: the manager calls
+    nested in the section (which take the plain lock or find it held) never free under it; the
+    first call after the section does."""
+    m = manager
+    obj = m.new_object(m.allocate(m.fast, 4096))
+    keep = m.new_object(m.allocate(m.fast, 4096))
+    freed = lambda: m.telemetry_data.counters["objects_freed"]  # noqa: E731
+    with m.lock():
+        del obj
+        gc.collect()
+        region = m.allocate(m.fast, 4096)  # nested: the queue waits
+        with m.lock():
+            m.free(region)
+        assert freed() == 0 and len(m.objects()) == 1
+    m.primary(keep)  # no lock: nothing drained yet
+    assert freed() == 0
+    m.free(m.allocate(m.fast, 64))  # the first locked call after the section drains
+    assert freed() == 1
+    m.check()
