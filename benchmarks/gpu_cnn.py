@@ -62,10 +62,10 @@ import time
 
 try:
     from benchmarks import _paths  # noqa: F401
-    from benchmarks._common import environment, event_time, parser, print_table, print_targets, write_json
+    from benchmarks._common import environment, event_time, median_time, parser, print_table, print_targets, write_json
 except ImportError:  # run as a script
     import _paths  # noqa: F401
-    from _common import environment, event_time, parser, print_table, print_targets, write_json
+    from _common import environment, event_time, median_time, parser, print_table, print_targets, write_json
 
 MiB, GiB = 1 << 20, 1 << 30
 MODELS = {"resnet": dict(family="resnet", depth=50, width=32, image=112),
@@ -165,14 +165,7 @@ def bare_seconds(s, i: int, repeats: int) -> float:
         tape = ex.tape
     finally:
         ex.tape = None
-    run = replay(tape, jax.devices()[0])
-    run()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_time(replay(tape, jax.devices()[0]), repeats)
 
 
 def run_jax(cfg, variant: str, steps: int, warmup: int) -> dict:
@@ -294,13 +287,11 @@ def copy_seconds(copies: int, nbytes: int, device: str, repeats: int = 5) -> flo
     if device != "gpu":
         import numpy as np
         src, dst = np.ones(part, np.uint8), np.empty(part, np.uint8)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
+
+        def copy_all():
             for _ in range(copies):
                 np.copyto(dst, src)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return median_time(copy_all, repeats, warmup=0)
     import cupy as cp
     src, dst = cp.ones(part, cp.uint8), cp.empty(part, cp.uint8)
     stream = cp.cuda.get_current_stream()
