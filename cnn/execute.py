@@ -154,10 +154,8 @@ class Executor:
         t0 = time.perf_counter()
         self._kernels += 1
         oldest = self._kernels - FRESH_KERNELS  # the outputs of kernels from this one on are fresh
-        self._write_stored(before=oldest)  # the others are copied now, if alive
+        self._write_stored(before=oldest)  # the others are copied now, if alive, and no longer fresh
         fresh = self._fresh
-        for stale in [i for i, (k, _) in fresh.items() if k < oldest]:
-            del fresh[stale]
         views = [readable(x) for x in inputs]
         done = None  # if the kernel raises, the views are released with records of their own
         try:
@@ -283,12 +281,14 @@ class Executor:
 
     def _write_stored(self, before: int | None = None) -> None:
         """Write the values stored by kernels numbered below ``before`` (all: None) into their
-        objects where not written yet; count those never written (the object died first, or a
-        later write replaced the value) as elided."""
-        pending = self._deferred
+        objects where not written yet, and stop reading them from ``_fresh``; count those never
+        written (the object died first, or a later write replaced the value) as elided."""
+        pending, fresh = self._deferred, self._fresh
         while pending and (before is None or pending[0][0] < before):
             entry = pending.popleft()
-            y = entry[1]
+            kernel, y = entry[0], entry[1]
+            if fresh.get(y.object.id, (None,))[0] == kernel:  # not replaced by a later value
+                del fresh[y.object.id]
             if not entry[2] and y.object.alive:
                 write_now(y)
             if not entry[2]:
