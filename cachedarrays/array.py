@@ -31,7 +31,6 @@ from typing import Any, Callable
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
-from .engine import Completion
 from .errors import StatusError
 from .manager import Manager, Object
 
@@ -312,12 +311,11 @@ class CachedArray(NDArrayOperatorsMixin):
         mark = None
         if device is not None:
             self._gpu_consumers.add(device)
-            if isinstance(region.fill, Completion) and not region.fill.done():
-                # JAX hands out a side stream for the handshake: where its compute stream reaches
-                # this use is marked by a tiny computation dispatched now, or after the JAX value
-                # `jax_array` was told of (a copy's exposed time is counted from it; a deferred
-                # write's is not counted)
-                mark = JaxUse(device, self.__dict__.get("_after")).cuda_event
+            # JAX hands out a side stream for the handshake: where its compute stream reaches this
+            # use is marked, if a copy is still running, by a tiny computation dispatched then, or
+            # after the JAX value `jax_array` was told of (the copy's exposed time counts from it)
+            after = self.__dict__.get("_after")
+            mark = lambda: JaxUse(device, after).cuda_event  # noqa: E731
         view = self._gpu_view(region, write=self._status is Status.ReadWrite, stream=consumer, mark=mark)
         return view.__dlpack__(stream=stream, **kwargs)
 

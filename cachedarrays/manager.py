@@ -462,7 +462,8 @@ class Manager:
     def ready_on(self, region: Region, stream, write: bool = True, mark=None) -> None:
         """Make the GPU ``stream`` wait until ``region`` can be read (or written): like `ready`, but
         the host does not block on copies that run on a CUDA stream (the DLPack stream handshake).
-        ``mark``: an event where the consumer's work reaches this point (for exposed-time telemetry)."""
+        ``mark``: an event where the consumer's work reaches this point, or a function that makes
+        one when a copy is still running (for exposed-time telemetry, `devices.gpu.wait_on_stream`)."""
         from .devices.gpu import wait_on_stream
         self._live(region)
         self.issue_fill(region)

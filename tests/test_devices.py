@@ -131,3 +131,47 @@ def test_pm_missing_or_unwritable_directory(tmp_path, monkeypatch):
 def test_pm_capacity_not_understood(tmp_path):
     with pytest.raises(ValueError, match="cannot understand size"):
         PM(tmp_path, "a lot")
+
+
+def test_a_stream_waits_for_running_copies_and_makes_its_telemetry_mark_only_for_them(monkeypatch):
+    """`devices.gpu.wait_on_stream` with ``mark`` a function (as a JAX import passes it: making the
+    mark costs a marker computation): called once, and only when a copy is still running; the mark
+    becomes that copy's consumer point; finished copies and uses are waited for without one."""
+    import types
+
+    from cachedarrays.devices import gpu
+    from cachedarrays.engine import Completion
+
+    class Event:
+        def __init__(self, done=False):
+            self.done = done
+
+    class Stream:
+        def __init__(self):
+            self.waited = []
+
+        def wait_event(self, event):
+            self.waited.append(event)
+
+    monkeypatch.setattr(gpu, "cupy", lambda: types.SimpleNamespace())  # the function mark needs no CuPy
+
+    def copy(done):
+        c = Completion("DRAM", "GPU", 64)
+        c.finish(cuda_start=Event(True), cuda_end=Event(done))
+        return c
+
+    made = []
+
+    def make_mark():
+        made.append(Event())
+        return made[-1]
+
+    finished, use = copy(True), types.SimpleNamespace(cuda_event=Event())
+    stream = Stream()
+    gpu.wait_on_stream([finished, use], stream, make_mark)
+    assert made == [] and stream.waited == [use.cuda_event] and finished.gpu_uses == []
+    running, other = copy(False), copy(False)
+    stream = Stream()
+    gpu.wait_on_stream([finished, running, other], stream, make_mark)
+    assert len(made) == 1 and running.gpu_uses == other.gpu_uses == made
+    assert stream.waited == [running.cuda_end, other.cuda_end]

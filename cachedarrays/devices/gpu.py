@@ -246,8 +246,9 @@ class DeviceClock:
 
 def wait_on_stream(waitables, stream, mark=None) -> None:
     """Make ``stream`` wait for copies and uses (on the GPU where they run on a stream, else on
-    the host).  ``mark`` is an event at the point where the consumer's own work reaches the wait
-    (default: one recorded on ``stream`` now); telemetry counts a copy's time after it as exposed."""
+    the host).  ``mark`` is an event at the point where the consumer's own work reaches the wait,
+    or a function that makes one, called only when a copy is still running (default: one
+    recorded on ``stream`` now); telemetry counts a copy's time after it as exposed."""
     cp = cupy()
     for w in waitables:
         if isinstance(w, Completion):
@@ -256,6 +257,8 @@ def wait_on_stream(waitables, stream, mark=None) -> None:
                 if mark is None:
                     mark = cp.cuda.Event()
                     mark.record(stream)
+                elif callable(mark):
+                    mark = mark()
                 w.gpu_uses.append(mark)
                 stream.wait_event(w.cuda_end)
         elif getattr(w, "cuda_event", None) is not None:
