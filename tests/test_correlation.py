@@ -337,11 +337,12 @@ def test_recorded_gaps_come_from_the_stamps_clock_not_the_host_clock():
 # ---------------------------------------------------------------------- the settled range changes no decision
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data(), slack=st.sampled_from([0.5, 2.0, math.inf]), fast=st.sampled_from(["600KiB", "1MiB", "2MiB"]))
-def test_walks_that_skip_settled_positions_decide_exactly_as_walks_from_the_next_use(data, slack, fast):
+def test_walks_with_shortcuts_decide_exactly_as_walks_without(data, slack, fast):
     """Two managers run the same random program (weights used every iteration in a mostly repeated
     order, activations born, read and freed each iteration, scripted gaps): one policy starts every
-    walk at the next use, the other skips the settled range. After every use both hold every object
-    on the same level and have counted the same prefetches, hits and fetches."""
+    walk at the next use and tries to make room for every prefetch it reaches, the other skips the
+    settled range and the prefetches that cannot find room (`skip_futile`). After every use both hold
+    every object on the same level and have counted the same prefetches, hits and fetches."""
     nw = data.draw(st.integers(2, 6), label="weights")
     order = data.draw(st.lists(st.integers(0, nw - 1), min_size=3, max_size=12), label="order")
     sizes = [N, N // 2, N // 3]
@@ -349,7 +350,7 @@ def test_walks_that_skip_settled_positions_decide_exactly_as_walks_from_the_next
     for skip in (False, True):
         clock = Clock()
         pol = CorrelationPrefetchPolicy(clock=clock, slack=slack)
-        pol.skip_settled = skip
+        pol.skip_settled = pol.skip_futile = skip
         m = Manager(DRAM(fast, bandwidth=(20, 20)), PM(None, "16MiB", bandwidth="optane"), policy=pol)
         runs.append((clock, pol, m, [CachedArray(np.full(sizes[i % 3], i, np.float32), m) for i in range(nw)]))
     for it in range(4):
@@ -377,3 +378,37 @@ def test_walks_that_skip_settled_positions_decide_exactly_as_walks_from_the_next
         for r, (clock, pol, m, ws) in enumerate(runs):
             acts[r].clear()
             m.check()
+
+
+@pytest.mark.parametrize("event", ["use", "free", "evict"])
+def test_a_prefetch_found_without_room_is_retried_once_room_may_have_appeared(event):
+    """Learned order A B C D A E, room for four, no time bound. The mark brings A B C D; E (position 5)
+    cannot come, as A B C D are all needed before it, and that outcome is remembered. It must be retried
+    as soon as room may have appeared: B's use moves B's next use past E's (E comes at C's use, evicting
+    B), D is freed (E comes at A's use, into D's room), or D is evicted (A's use brings D back first,
+    so E again waits for C's use). A policy that tries every time makes the same moves."""
+    runs = []
+    for shortcuts in (False, True):
+        clock = Clock()
+        m, pol, (A, B, C, D, E) = setup(5, clock, slack=float("inf"))
+        pol.skip_settled = pol.skip_futile = shortcuts
+        iteration(m, pol, [A, B, C, D, A, E], clock)
+        clock.t += 1.0
+        pol.mark_iteration()
+        assert places([A, B, C, D, E]) == ["DRAM"] * 4 + ["PM"], shortcuts
+        seen = []
+        if event == "free":
+            ca.unsafe_free(D)
+        elif event == "evict":
+            ca.evict(D)
+        for x in (A, B, C):
+            use(x, clock)
+            seen.append(places([A, B, C, E]))
+        m.check()
+        runs.append(seen)
+    assert runs[0] == runs[1]
+    if event == "free":
+        assert [s[3] for s in runs[1]] == ["DRAM"] * 3
+    else:
+        assert runs[1] == [["DRAM", "DRAM", "DRAM", "PM"], ["DRAM", "DRAM", "DRAM", "PM"],
+                           ["DRAM", "PM", "DRAM", "DRAM"]]

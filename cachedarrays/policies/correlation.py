@@ -170,6 +170,7 @@ class CorrelationPrefetchPolicy(LRUPolicy):
     """
 
     skip_settled = True  # False: every walk starts at the next use (the tests compare both)
+    skip_futile = True   # False: every prefetch the walk reaches tries to make room (the tests compare both)
 
     def __init__(self, slack: float = 2.0, max_ahead: int | None = None, hints: bool = False,
                  honor_frees: bool = True, insert_on_use: bool = True, max_uses: int = 1 << 20,
@@ -212,6 +213,9 @@ class CorrelationPrefetchPolicy(LRUPolicy):
         self._quiet: tuple | None = None                  # (t, busy_until, lo): see `_quiet_until`
         self._moved_out = 0                               # objects that left the fast level (or were born below)
         self._longest = 0.0                               # modeled copy time of the largest learned object
+        self._ranked: list[Object] | None = None          # `victims_on(fast)` within `_prefetch_before`
+        self._futile: tuple | None = None                 # (id, q, bytes kept, released then): see `_prefetch_before`
+        self._released = 0                                # bytes that may have stopped being kept since
 
     def attach(self, manager: Manager) -> None:
         super().attach(manager)
@@ -240,6 +244,7 @@ class CorrelationPrefetchPolicy(LRUPolicy):
             self._cursor = -1
             self._settled = (0, 0)
             self._quiet = None
+            self._futile = None
             self.m.record("iterations_marked")
             self._look_ahead(None)
 
@@ -309,6 +314,7 @@ class CorrelationPrefetchPolicy(LRUPolicy):
             self._count("learned_prefetches_evicted_unused")
         if new is not self.fast and (old is None or old is self.fast):
             self._unsettle(obj)
+            self._released += obj.nbytes
         super().on_move(obj, old, new)
 
     def _unsettle(self, obj: Object) -> None:
@@ -335,6 +341,9 @@ class CorrelationPrefetchPolicy(LRUPolicy):
             self._settled = (lo, first)
 
     def forget(self, obj_id: int, regions: dict[str, Region]) -> None:
+        gone = regions.get(self.fast.name)
+        if gone is not None:
+            self._released += gone.nbytes
         if self.iterations and not self._overflow:
             self._frees[self.key(obj_id)] = len(self._keys)
         super().forget(obj_id, regions)
@@ -356,7 +365,14 @@ class CorrelationPrefetchPolicy(LRUPolicy):
         if obj.id in self._speculative:
             self._speculative.discard(obj.id)
             self._count("learned_prefetches_useful")
+        cursor = self._cursor
         self._record(obj)
+        futile = self._futile
+        if futile is not None:
+            if self._cursor > cursor + 1:
+                self._futile = None  # the uses it skipped moved other objects' next uses
+            elif self.next_use(obj.id) > futile[1]:
+                self._released += obj.nbytes
         self._touch(obj)
         if not hit and self.insert_on_use and self._fetch(obj, force=True):
             self._count("demand_fetches")
@@ -367,7 +383,11 @@ class CorrelationPrefetchPolicy(LRUPolicy):
         used again first, unless that would write back bytes of an object predicted to be freed), ties
         least recently used first. Pinned objects, which no eviction can take (a forced prefetch pins
         every object used before the one it brings in), come last, unranked: ranking was a third of
-        the time cap spent making room on the H100's DenseNet (0.66 of 1.99 s in two profiled steps)."""
+        the time cap spent making room on the H100's DenseNet (0.66 of 1.99 s in two profiled steps).
+        Within `_prefetch_before` the fast level's order is the one it ranked already."""
+        if device is self.fast and self._ranked is not None:
+            ranked, self._ranked = self._ranked, None
+            return ranked
         found: dict[int, Object] = {}
         for obj_id in self._orders.get(device.name, ()):
             obj = self.m.getobject(obj_id)
@@ -480,18 +500,55 @@ class CorrelationPrefetchPolicy(LRUPolicy):
 
     def _prefetch_before(self, obj: Object, q: int, current: Object | None) -> bool:
         """Bring ``obj`` (next used at ``q``) to the fast level, evicting only objects used after ``q``
-        (and never ``current``, the object in use)."""
+        (and never ``current``, the object in use).
+
+        Making room is tried only where it can succeed.  The objects needed by ``q`` stay, and so do
+        pinned ones: where their bytes and ``obj``'s exceed the fast level, nothing is tried.  That
+        is how two of three walks end once fast memory is full of objects needed sooner (the H100's
+        DenseNet at half its footprint), and each try cost a sort and a search of the heap.  Such
+        an outcome is remembered for ``(obj, q)`` with the bytes of the objects needed by ``q``;
+        until bytes that may no longer be needed by ``q`` (a use whose object's next use moves past
+        ``q``, a free, a move off the fast level) could close the gap, the next walk that reaches
+        the same ``(obj, q)`` ends there without looking at the fast level again.  The cursor
+        skipping recorded uses, or a new iteration, forgets it."""
+        m, fast = self.m, self.fast
+        futile = self._futile if self.skip_futile else None
+        if (futile is not None and futile[0] == obj.id and futile[1] == q
+                and futile[2] - (self._released - futile[3]) > fast.capacity):
+            return False
         if self._fetch(obj, force=False):
             return True
-        protected = [o for o in map(self.m.getobject, list(self._orders[self.fast.name]))
-                     if o is not None and (o is current or self.next_use(o.id) <= q)]
+        protected, free, tail = [], [], []  # tail: what no eviction can take now, in recency order
+        needed = kept = obj.nbytes  # needed: by q; kept: current or pinned
+        for o in map(m.getobject, list(self._orders[fast.name])):
+            if o is None:
+                continue
+            if self.next_use(o.id) <= q:
+                protected.append(o)
+                tail.append(o)
+                needed += o.nbytes
+            elif o is current:
+                protected.append(o)
+                tail.append(o)
+                kept += o.nbytes
+            elif m.pinned(o):
+                tail.append(o)
+                kept += o.nbytes
+            else:
+                free.append(o)
+        if self.skip_futile:
+            if needed + kept - obj.nbytes > fast.capacity:
+                self._futile = (obj.id, q, needed, self._released)
+                return False
+            self._ranked = sorted(free, key=lambda o: -self.eviction_rank(o, fast)) + tail
         for o in protected:
-            self.m.pin(o)
+            m.pin(o)
         try:
             return self._fetch(obj, force=True)
         finally:
+            self._ranked = None
             for o in protected:
-                self.m.unpin(o)
+                m.unpin(o)
 
     def _fetch(self, obj: Object, force: bool) -> bool:
         """`Policy.prefetch` to the fast level (hints aside), adding the copy to the predicted backlog."""
