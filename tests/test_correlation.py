@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import cachedarrays as ca
 from cachedarrays import DRAM, PM, CachedArray, CorrelationPrefetchPolicy, Manager, readable
-from cachedarrays.policies.correlation import NEVER, accuracy_and_coverage
+from cachedarrays.policies.correlation import NEVER, Recording, accuracy_and_coverage
 
 pytestmark = pytest.mark.usefixtures("young_gc")
 
@@ -208,6 +208,63 @@ def test_look_ahead_is_bounded_by_free_fast_memory():
     assert places(W) == ["DRAM", "DRAM", "DRAM", "DRAM", "PM", "PM"]
     assert m.telemetry()["counters"]["learned_prefetches"] == 2
     m.check()
+
+
+def test_a_prefetch_that_an_object_born_before_its_use_would_push_out_is_not_issued():
+    """Learned order W2 A W0 W2 W1 W4 W3, where A is born just before its use and freed after W4's;
+    room for four, no time bound. Without counting A, a walk fills the fourth slot with a weight
+    needed after A's birth, and A's allocation evicts it unused (a prefetch wasted: 5 issued, 4 used).
+    Counting the bytes born before each use, the walk leaves A its room: 4 issued, all used, and
+    every use still finds its object in fast memory."""
+    clock = Clock()
+    m, pol, W = setup(5, clock, slack=float("inf"))
+    order = [2, "A", 0, 2, 1, 4, 3]
+    for _ in range(4):
+        clock.t += 1.0
+        m.reset_telemetry()
+        pol.mark_iteration()
+        for j, w in enumerate(order):
+            if w == "A":
+                A = CachedArray(np.full(N, 77, np.float32), m)
+                use(A, clock)
+            else:
+                use(W[w], clock)
+            if j == 5:
+                ca.unsafe_free(A)
+        m.check()
+    assert moved(m.telemetry()["counters"]) == [8, 8, 0, 4, 4]
+    assert m.telemetry()["counters"].get("learned_prefetches_evicted_unused", 0) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_recorded_growth_is_the_peak_of_bytes_born_less_bytes_freed_over_the_window(data):
+    """`Recording.growth(c, q)` against a direct sum: the largest, over the uses t in (c, q], of the
+    bytes of objects first used in (c, t] less those freed in (c, t] (frees after the last use count
+    at the iteration's end, before the next iteration's first use)."""
+    n_new = data.draw(st.integers(0, 5), label="new objects")
+    ids = data.draw(st.lists(st.integers(0, 3), max_size=6), label="weights used")
+    keys = [("new", data.draw(st.sampled_from([8, 16, 40]), label="size"), i) for i in range(n_new)]
+    seq = data.draw(st.permutations(keys + [("id", i) for i in ids] + keys), label="order") if keys or ids else []
+    if not seq:
+        return
+    n = len(seq)
+    frees = {k: data.draw(st.integers(seq.index(k) + 1, n), label="free") for k in keys
+             if data.draw(st.booleans(), label="freed")}
+    rec = Recording(list(seq), [float(i) for i in range(n)], float(n), 40, frees)
+    delta = [0] * (n + 1)
+    for k in keys:
+        delta[seq.index(k)] += k[1]
+        if k in frees:
+            delta[frees[k]] -= k[1]
+    stream = delta[:n] + [delta[n] + delta[0]] + delta[1:n]  # next iteration: the end's frees, then its uses
+    for c in range(-1, n - 1):
+        for q in range(c + 1, 2 * n):
+            running, best = 0, None
+            for t in range(c + 1, q + 1):
+                running += stream[t]
+                best = running if best is None else max(best, running)
+            assert rec.growth(c, q) == best, (seq, frees, c, q)
 
 
 @pytest.mark.parametrize("gap, prefetched", [(1e-3, 1), (40e-6, 2), (1e-6, 6)])

@@ -48,6 +48,11 @@ and prefetches to the fast level the live objects that are not there, within two
 - free fast memory: making room for ``q`` may evict only objects whose predicted next use comes
   after ``q``'s (those needed sooner, and the object in use, are pinned while room is made).
   When no room can be made that way the walk ends: fast memory is full of objects needed sooner.
+  Room is also left for what the recording says is born before ``q`` (`Recording.growth`: the
+  most bytes born less bytes freed at any use up to ``q``): those allocations would otherwise
+  evict the prefetched object, whose next use is then the furthest, before its use.  (On the
+  H100's DenseNet at half its footprint: 19.2 -> 11.1 GiB moved in a step, accuracy 76 -> 83%,
+  coverage 98% either way.)
 
 The walk skips what it has already found settled: the positions from where a walk started up to
 the first one it left unsettled (an object not on the fast level that it did not bring there) all
@@ -84,6 +89,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import itertools
 import math
 import time
 from typing import Callable
@@ -103,7 +109,7 @@ class Recording:
     """One iteration's uses: keys in order, seconds since the iteration began, its length in seconds, and
     where objects were freed."""
 
-    __slots__ = ("keys", "times", "period", "positions", "max_nbytes", "frees")
+    __slots__ = ("keys", "times", "period", "positions", "max_nbytes", "frees", "_net", "_peaks")
 
     def __init__(self, keys: list[Key], times: list[float], period: float, max_nbytes: int,
                  frees: dict[Key, int] | None = None):
@@ -116,9 +122,38 @@ class Recording:
         for i, key in enumerate(keys):
             self.positions[key].append(i)
         self.positions = dict(self.positions)
+        delta = [0] * (len(keys) + 1)  # bytes born (first use of a "new" key) less bytes freed, by position
+        for key, pos in self.positions.items():
+            if key[0] == "new":
+                delta[pos[0]] += key[1]
+        for key, f in self.frees.items():
+            if key[0] == "new" and key in self.positions:
+                delta[min(f, len(keys))] -= key[1]
+        self._net = net = list(itertools.accumulate(delta, initial=0))  # net[p]: sum of delta[:p]
+        self._peaks = [net]  # _peaks[k][p]: the largest of net[p : p + 2**k] (a sparse table)
+        while 2 ** len(self._peaks) <= len(net):
+            prev, half = self._peaks[-1], 2 ** (len(self._peaks) - 1)
+            self._peaks.append([max(prev[p], prev[p + half]) for p in range(len(prev) - half)])
 
     def __len__(self) -> int:
         return len(self.keys)
+
+    def growth(self, c: int, q: int) -> int:
+        """The most bytes that objects born after use ``c`` occupy (less those freed since) at any use
+        up to ``q``, as recorded; ``q`` up to one recording past its end."""
+        n, net = len(self.keys), self._net
+        base = net[c + 1]
+        if q < n:
+            return self._peak(c + 2, q + 2) - base
+        return max(self._peak(c + 2, n + 1), net[n + 1] + self._peak(1, q - n + 2)) - base
+
+    def _peak(self, lo: int, hi: int) -> int:
+        """The largest of ``_net[lo:hi]`` (the smallest integer for an empty range)."""
+        if hi <= lo:
+            return -(1 << 62)
+        k = (hi - lo).bit_length() - 1
+        row = self._peaks[k]
+        return max(row[lo], row[hi - (1 << k)])
 
     def time(self, q: int) -> float:
         """Seconds from the recorded iteration's start to use ``q`` (``q >= len``: the next iteration;
@@ -500,7 +535,8 @@ class CorrelationPrefetchPolicy(LRUPolicy):
 
     def _prefetch_before(self, obj: Object, q: int, current: Object | None) -> bool:
         """Bring ``obj`` (next used at ``q``) to the fast level, evicting only objects used after ``q``
-        (and never ``current``, the object in use).
+        (and never ``current``, the object in use), and only where the objects needed by ``q`` and
+        those born before it (`Recording.growth`) leave room for it.
 
         Making room is tried only where it can succeed.  The objects needed by ``q`` stay, and so do
         pinned ones: where their bytes and ``obj``'s exceed the fast level, nothing is tried.  That
@@ -513,10 +549,11 @@ class CorrelationPrefetchPolicy(LRUPolicy):
         skipping recorded uses, or a new iteration, forgets it."""
         m, fast = self.m, self.fast
         futile = self._futile if self.skip_futile else None
+        growth = max(0, self.learned.growth(self._cursor, q))
         if (futile is not None and futile[0] == obj.id and futile[1] == q
-                and futile[2] - (self._released - futile[3]) > fast.capacity):
+                and futile[2] - (self._released - futile[3]) + growth > fast.capacity):
             return False
-        if self._fetch(obj, force=False):
+        if fast.used_bytes + obj.nbytes + growth <= fast.capacity and self._fetch(obj, force=False):
             return True
         protected, free, tail = [], [], []  # tail: what no eviction can take now, in recency order
         needed = kept = obj.nbytes  # needed: by q; kept: current or pinned
@@ -536,11 +573,18 @@ class CorrelationPrefetchPolicy(LRUPolicy):
                 kept += o.nbytes
             else:
                 free.append(o)
+        if needed + growth > fast.capacity:  # what is born before q would push obj (or one needed sooner) out
+            if self.skip_futile:
+                self._futile = (obj.id, q, needed, self._released)
+            return False
         if self.skip_futile:
             if needed + kept - obj.nbytes > fast.capacity:
                 self._futile = (obj.id, q, needed, self._released)
                 return False
             self._ranked = sorted(free, key=lambda o: -self.eviction_rank(o, fast)) + tail
+        if self._fetch(obj, force=False):
+            self._ranked = None
+            return True
         for o in protected:
             m.pin(o)
         try:
