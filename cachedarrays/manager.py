@@ -625,10 +625,6 @@ class Manager:
                 raise ValueError(f"{region} is not on device {dev.name}")
             table = self._regions[dev.name]
 
-            def movable(offset: int) -> bool:
-                owner = table[offset].owner
-                return owner is None or owner.pins == 0
-
             def on_region(offset: int, _requested: int) -> bool:
                 victim = table[offset]
                 if not callback(victim):
@@ -637,11 +633,29 @@ class Manager:
                     raise InvariantError(f"eviction callback accepted {victim} but did not free it")
                 return True
 
-            done = dev.evictfrom(region.offset, nbytes, on_region, movable, dead_ends) is not None
+            done = dev.evictfrom(region.offset, nbytes, on_region, self._movable(dev), dead_ends) is not None
             self.telemetry_data.count("evictfrom_calls")
             if not done:
                 self.telemetry_data.count("evictfrom_failures")
             return done
+
+    def room_possible(self, device: Device, nbytes: int) -> bool:
+        """Whether `evictfrom` could make ``nbytes`` contiguous bytes on ``device`` from some region:
+        some run of free space and regions of unpinned objects (or of no object) holds them.  A
+        policy that would try victim after victim learns in one walk that none would do."""
+        with self._locked():
+            dev = self._device(device)
+            return dev.room_possible(nbytes, self._movable(dev))
+
+    def _movable(self, dev: Device) -> Callable[[int], bool]:
+        """Whether the region at an offset of ``dev`` may be evicted: it belongs to no object, or to
+        one no view pins."""
+        table = self._regions[dev.name]
+
+        def movable(offset: int) -> bool:
+            owner = table[offset].owner
+            return owner is None or owner.pins == 0
+        return movable
 
     def defragment(self, device: Device) -> int:
         """Compact ``device``; refuses while any object on it is pinned.  Returns the number of moves."""

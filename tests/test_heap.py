@@ -114,6 +114,21 @@ def test_evictfrom_plans_around_immovable_blocks_without_calling_back():
     h.check()
 
 
+def test_room_possible_looks_for_a_run_of_free_and_movable_blocks_long_enough():
+    h = Heap(8 * 1024)
+    offs = [h.allocate(1024) for _ in range(8)]
+    h.free(offs[1])
+    pinned = {offs[3], offs[6]}
+    movable = lambda o: o not in pinned  # noqa: E731
+    assert h.room_possible(3 * 1024, movable)        # [0, 3): a free block between two movable ones
+    assert not h.room_possible(4 * 1024, movable)    # the runs are 3, 2 and 1 KiB
+    pinned.discard(offs[6])
+    assert h.room_possible(4 * 1024, movable)        # [4, 8) is one run now
+    with pytest.raises(ValueError, match="positive"):
+        h.room_possible(0)
+    h.check()
+
+
 def test_dead_ends_skip_walks_inside_a_run_known_too_small():
     h = Heap(8 * 1024)
     offs = [h.allocate(1024) for _ in range(8)]
@@ -245,6 +260,20 @@ class HeapMachine(RuleBasedStateMachine):
             off = self.dev.allocate(n)
             assert off is not None
             self._fill(off, n)
+
+    @rule(data=st.data(), n=st.integers(1, 100000))
+    def room_possible(self, data, n):
+        """`room_possible` says yes exactly when a walk from some block would succeed (planned with
+        no callback), and changes nothing."""
+        pinned = set(data.draw(st.sets(st.sampled_from(sorted(self.live)))) if self.live else set())
+        movable = lambda off: off not in pinned  # noqa: E731
+        heap = self.dev.heap
+        before = list(heap.blocks())
+        some_walk = any(heap._plan_span(b.offset, round_up(n, ALIGN), PAGE if n >= PAGE else ALIGN, movable)[2]
+                        for b in before)
+        assert heap.room_possible(n, movable) == some_walk
+        assert heap.room_possible(n) == (n <= heap.capacity)
+        assert list(heap.blocks()) == before
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), n=st.integers(1, 100000), tries=st.integers(1, 12))

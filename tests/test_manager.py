@@ -130,6 +130,23 @@ def test_evictfrom_evicts_and_skips_pinned(manager):
     m.check()
 
 
+def test_room_possible_counts_pinned_objects_as_walls(manager):
+    """`room_possible` answers what victim after victim of `evictfrom` would: with object 1 of five
+    pinned, 300,000 bytes fit only from object 2 on; with 1 and 3 pinned, nowhere. It moves nothing."""
+    m = manager
+    objs = [new(m, m.fast, bytes([i]) * 200_000) for i in range(5)]
+    m.pin(objs[1])
+    assert m.room_possible(m.fast, 300_000)
+    m.pin(objs[3])
+    assert not m.room_possible(m.fast, 300_000)
+    assert not any(m.evictfrom(m.fast, m.primary(o), 300_000, _evict_callback(m)) for o in objs)
+    assert m.room_possible(m.fast, 200_000)
+    assert all(m.in_device(m.primary(o), m.fast) for o in objs)
+    m.unpin(objs[1])
+    m.unpin(objs[3])
+    m.check()
+
+
 def test_evictfrom_callback_that_lies_is_caught(manager):
     m = manager
     objs = [new(m, m.fast, b"q" * 500_000) for _ in range(2)]

@@ -96,6 +96,9 @@ class Device:
         self._check_open()
         return self.heap.evictfrom(start, nbytes, callback, movable, dead_ends)
 
+    def room_possible(self, nbytes: int, movable: Callable[[int], bool] | None = None) -> bool:
+        return self.heap.room_possible(nbytes, movable)
+
     def defragment(self, move_callback: Callable[[int, int, int], None]) -> list[tuple[int, int, int]]:
         """Compact the heap; bytes are moved here, before ``move_callback`` updates references."""
         def move(old: int, new: int, nbytes: int) -> None:

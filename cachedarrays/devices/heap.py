@@ -351,6 +351,23 @@ class Heap:
                     self._release(off)
         return result
 
+    def room_possible(self, nbytes: int, movable: Callable[[int], bool] | None = None) -> bool:
+        """Whether some maximal run of free and movable blocks would hold an allocation of ``nbytes``:
+        what `evictfrom` needs to succeed from a block of that run.  One walk of the heap, no side
+        effects; a caller about to try victim after victim can learn first that none would do."""
+        self._validate_request(nbytes)
+        need, align = round_up(nbytes, ALIGN), alignment_for(nbytes)
+        requested, sizes, lo, offset = self._requested, self._size, -1, 0
+        while offset < self.capacity:
+            if offset in requested and movable is not None and not movable(offset):
+                if lo >= 0 and self._fits(lo, offset - lo, need, align):
+                    return True
+                lo = -1
+            elif lo < 0:
+                lo = offset
+            offset += sizes[offset]
+        return lo >= 0 and self._fits(lo, self.capacity - lo, need, align)
+
     def _blocks_in(self, lo: int, hi: int) -> Iterator[Block]:
         offset = lo
         while offset < hi:

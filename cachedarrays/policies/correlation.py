@@ -588,6 +588,8 @@ class CorrelationPrefetchPolicy(LRUPolicy):
         for o in protected:
             m.pin(o)
         try:
+            if self.skip_futile and not m.room_possible(fast, obj.nbytes):
+                return False  # every run of evictable space is too short: no victim would do
             return self._fetch(obj, force=True)
         finally:
             self._ranked = None
