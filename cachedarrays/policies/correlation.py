@@ -249,8 +249,8 @@ class CorrelationPrefetchPolicy(LRUPolicy):
         self._moved_out = 0                               # objects that left the fast level (or were born below)
         self._longest = 0.0                               # modeled copy time of the largest learned object
         self._ranked: list[Object] | None = None          # `victims_on(fast)` within `_prefetch_before`
-        self._futile: tuple | None = None                 # (id, q, bytes kept, released then): see `_prefetch_before`
-        self._released = 0                                # bytes that may have stopped being kept since
+        self._futile: tuple | None = None                 # (id, q, bytes needed by q, released then): `_prefetch_before`
+        self._released = 0                                # bytes that may have stopped being needed since
 
     def attach(self, manager: Manager) -> None:
         super().attach(manager)
@@ -546,7 +546,9 @@ class CorrelationPrefetchPolicy(LRUPolicy):
         until bytes that may no longer be needed by ``q`` (a use whose object's next use moves past
         ``q``, a free, a move off the fast level) could close the gap, the next walk that reaches
         the same ``(obj, q)`` ends there without looking at the fast level again.  The cursor
-        skipping recorded uses, or a new iteration, forgets it."""
+        skipping recorded uses, or a new iteration, forgets it.  Where the bytes would fit but the
+        objects that must stay wall every run of evictable space into pieces too short
+        (`Manager.room_possible`, one walk of the heap), no victim is tried either."""
         m, fast = self.m, self.fast
         futile = self._futile if self.skip_futile else None
         growth = max(0, self.learned.growth(self._cursor, q))
