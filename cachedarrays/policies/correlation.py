@@ -349,7 +349,8 @@ class CorrelationPrefetchPolicy(LRUPolicy):
             self._count("learned_prefetches_evicted_unused")
         if new is not self.fast and (old is None or old is self.fast):
             self._unsettle(obj)
-            self._released += obj.nbytes
+            if old is self.fast:
+                self._released += obj.nbytes
         super().on_move(obj, old, new)
 
     def _unsettle(self, obj: Object) -> None:
@@ -575,23 +576,20 @@ class CorrelationPrefetchPolicy(LRUPolicy):
                 kept += o.nbytes
             else:
                 free.append(o)
-        if needed + growth > fast.capacity:  # what is born before q would push obj (or one needed sooner) out
+        # what is born before q would push obj (or one needed sooner) out; or what must stay leaves no room
+        if needed + growth > fast.capacity or (self.skip_futile and needed + kept - obj.nbytes > fast.capacity):
             if self.skip_futile:
                 self._futile = (obj.id, q, needed, self._released)
             return False
-        if self.skip_futile:
-            if needed + kept - obj.nbytes > fast.capacity:
-                self._futile = (obj.id, q, needed, self._released)
-                return False
-            self._ranked = sorted(free, key=lambda o: -self.eviction_rank(o, fast)) + tail
         if self._fetch(obj, force=False):
-            self._ranked = None
             return True
         for o in protected:
             m.pin(o)
         try:
-            if self.skip_futile and not m.room_possible(fast, obj.nbytes):
-                return False  # every run of evictable space is too short: no victim would do
+            if self.skip_futile:
+                if not m.room_possible(fast, obj.nbytes):
+                    return False  # every run of evictable space is too short: no victim would do
+                self._ranked = sorted(free, key=lambda o: -self.eviction_rank(o, fast)) + tail
             return self._fetch(obj, force=True)
         finally:
             self._ranked = None
