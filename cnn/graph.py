@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, KeysView
 
 from cachedarrays import CachedArray, Preserved, preserve
 
@@ -77,7 +77,7 @@ class GradStore:
         if not self.users[g.object.id]:
             del self.users[g.object.id]
 
-    def ids(self):
+    def ids(self) -> KeysView[int]:
         """The object ids of the gradients held (a live set-like view: ``users`` counts, per
         gradient object, the tensors it serves)."""
         return self.users.keys()

@@ -97,6 +97,7 @@ class Device:
         return self.heap.evictfrom(start, nbytes, callback, movable, dead_ends)
 
     def room_possible(self, nbytes: int, movable: Callable[[int], bool] | None = None) -> bool:
+        self._check_open()
         return self.heap.room_possible(nbytes, movable)
 
     def defragment(self, move_callback: Callable[[int, int, int], None]) -> list[tuple[int, int, int]]:
