@@ -32,8 +32,9 @@ def test_dram_is_aligned_and_writable():
     assert d.view(off, 4096).sum() == 7 * 4096
     assert d.bandwidth == PROFILES["ddr4"]
     d.close()
-    with pytest.raises(RuntimeError, match="closed"):
-        d.allocate(64)
+    for call in (lambda: d.allocate(64), lambda: d.room_possible(64)):
+        with pytest.raises(RuntimeError, match="closed"):
+            call()
 
 
 def test_pm_default_location_is_a_scratch_file_removed_at_close():
