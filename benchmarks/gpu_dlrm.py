@@ -54,6 +54,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 try:
     from benchmarks import _paths  # noqa: F401
@@ -78,6 +79,18 @@ def scatter(ranks: np.ndarray, n: int, table: int) -> np.ndarray:
     """Rank -> row, a bijection of [0, n) per table (hot rows spread over the table)."""
     p = SCATTER if n % SCATTER else SCATTER + 2
     return ((ranks % n) * p + table) % n
+
+
+def fresh_batches(T: int, n: int, B: int, k: int, seed: int):
+    """An endless stream of batches over ``n``-row tables (the warm-up's: made as they are used,
+    so a long warm-up keeps no batch in memory and never repeats one)."""
+    from dlrm.data.batch import Batch
+
+    rng = np.random.default_rng(seed)
+    dense = rng.standard_normal((B, BOTTOM[0]), dtype=np.float32)
+    labels = (rng.random(B) < 0.3).astype(np.float32)
+    while True:
+        yield Batch(dense, [scatter(zipf_ranks(n, (B, k), rng), n, t).astype(np.int32) for t in range(T)], labels)
 
 
 def make_batches(nsteps: int, T: int, big: int, small: int, B: int, k: int, seed: int):
@@ -137,6 +150,11 @@ def rounds(contenders: dict, nrounds: int) -> dict:
                 pos[n] += 1
             got[n].append(per_round * B / (time.perf_counter() - t0))
     return {n: statistics.median(v) for n, v in got.items()}
+
+
+def per_step(timer) -> dict:
+    """A trainer's phase timer as ms per step (a step has one lookup phase)."""
+    return {p: 1e3 * v / max(1, timer.counts.get("lookup", 0)) for p, v in timer.table().items() if v}
 
 
 def h2d_bandwidth(cp, nbytes: int) -> float:
@@ -274,8 +292,9 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
           f"in-HBM model: {T} x {small} rows", flush=True)
     t0 = time.perf_counter()
     # a cache must not see a batch twice: the timed steps follow the warm-up on fresh batches
-    variants = 3 if args.policy == "lru" else 1  # lru: split, mapped and staged reads, on one model
-    nsteps = max(args.steps, args.warm_steps + variants * args.rounds * args.per_round + 2)
+    sets = args.policy in ("lru", "lfu")
+    variants = 3 if sets else 1  # lru/lfu: split, mapped and staged reads, on one model
+    nsteps = max(args.steps, variants * args.rounds * args.per_round + 2)
     big_b, small_b = make_batches(nsteps, T, n, small, B, k, seed=1)
     print(f"  index stream: {nsteps} batches in {time.perf_counter() - t0:.1f} s (ours never sees one twice)",
           flush=True)
@@ -298,15 +317,18 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
           f"({table_bytes / 1e9 / max(res['setup_fill_s'], 1e-9):.1f} GB/s)", flush=True)
     t1 = time.perf_counter()
     tables = ours.tables
-    for j in range(args.warm_steps):
-        ours.train_step(big_b[j % nsteps], big_b[(j + 1) % nsteps])
+    warm = fresh_batches(T, n, B, k, seed=7)
+    nxt = next(warm)
+    for j in tqdm(range(args.warm_steps), desc="ours, warm-up", leave=False, disable=None):
+        cur, nxt = nxt, next(warm) if j + 1 < args.warm_steps else big_b[0]
+        ours.train_step(cur, nxt)
     for t in tables:
         reset_counters(t)
     m.reset_telemetry()
     ours.timer.reset()
     # each variant of ours (lru: how missed rows come up) takes the next batch of one stream, so
     # the cache never sees a batch twice, and keeps its own phase timer
-    at = {"next": args.warm_steps}
+    at = {"next": 0}
     timers = {}
 
     def variant(reads: str, model=ours):
@@ -324,7 +346,8 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
     if variants == 3:
         contenders["ours, mapped reads"] = (variant("mapped"), args.per_round, B)
         contenders["ours, staged reads"] = (variant("staged"), args.per_round, B)
-    print(f"  ours ready in {time.perf_counter() - t1:.1f} s ({args.warm_steps} warm-up steps)", flush=True)
+    print(f"  ours ready in {time.perf_counter() - t1:.1f} s ({args.warm_steps} warm-up steps on fresh batches)",
+          flush=True)
 
     # PyTorch without FBGEMM, over the same host tables
     from dlrm.dense import init_dense
@@ -335,7 +358,7 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
 
     sps = rounds(contenders, args.rounds)
     res["samples_per_s"] = sps
-    steps = at["next"] - args.warm_steps  # ours' steps, every variant
+    steps = at["next"]  # ours' steps, every variant
     rates = [hitrate(t) for t in ours.tables]
     res["hit_rate"] = float(np.mean(rates))
     res["hit_rate_per_table"] = rates
@@ -354,9 +377,8 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
     res["host_traffic_fraction_of_h2d"] = res["host_traffic_GBps"] / bw_h2d
     res["ours_over_hbm"] = sps[best] / sps["in HBM"]
     res["ours_over_torch_cpu"] = sps[best] / sps["torch CPU tables"]
-    res["ours_phases_ms_per_step"] = {  # a step has one lookup phase
-        reads: {p_: 1e3 * v / max(1, tm.counts.get("lookup", 0)) for p_, v in tm.table().items() if v}
-        for reads, tm in timers.items()}
+    res["ours_phases_ms_per_step"] = {reads: per_step(tm) for reads, tm in timers.items()}
+    res["in_hbm_phases_ms_per_step"] = per_step(hbm.timer)
     rows = []
     for name in contenders:
         r = [name, sps[name], 1e3 * B / sps[name]]
@@ -380,8 +402,10 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
     targets[f"part 1: >= 3x PyTorch with CPU tables ({best}: {res['ours_over_torch_cpu']:.2f}x)"] = \
         res["ours_over_torch_cpu"] >= 3
     for reads, phases in res["ours_phases_ms_per_step"].items():
-        print(f"  ours{f' ({reads} reads)' if args.policy == 'lru' else ''}, wall time per step by phase: "
+        print(f"  ours{f' ({reads} reads)' if sets else ''}, wall time per step by phase: "
               + ", ".join(f"{p_} {v:.1f} ms" for p_, v in phases.items()))
+    print("  in HBM, wall time per step by phase: "
+          + ", ".join(f"{p_} {v:.1f} ms" for p_, v in res["in_hbm_phases_ms_per_step"].items()))
     del th, tbs, contenders, hbm, ours, tables
     for v in views:
         v.release()
@@ -438,15 +462,18 @@ def main(argv=None) -> int:
     p.add_argument("--tables", type=int, default=8, help="part 1: tables")
     p.add_argument("--rows", type=int, default=45_000_000, help="part 1: rows per table")
     p.add_argument("--budget", type=float, default=10.0, help="part 1: HBM budget, percent of the tables' bytes")
-    p.add_argument("--policy", choices=("lru", "static", "dynamic"), default="lru",
-                   help="part 1: cache policy (lru: tags in HBM, run by the GPU; static/dynamic: host bookkeeping)")
+    p.add_argument("--policy", choices=("lru", "lfu", "static", "dynamic"), default="lru",
+                   help="part 1: cache policy (lru/lfu: tags in HBM, run by the GPU, a missed row taking the least "
+                        "recently used way of its set or the one used in the fewest batches; static/dynamic: host "
+                        "bookkeeping)")
     p.add_argument("--batch", type=int, default=16384, help="part 1: batch size")
     p.add_argument("--lookups", type=int, default=20, help="part 1: lookups per bag")
     p.add_argument("--shrink", type=int, default=10, help="part 1: the in-HBM tables have rows / SHRINK rows")
     p.add_argument("--steps", type=int, default=0,
                    help="part 1: distinct batches (at least enough that ours never sees one twice)")
-    p.add_argument("--warm-steps", type=int, default=100,
-                   help="part 1: untimed steps of ours before timing (enough for the cache to fill and churn)")
+    p.add_argument("--warm-steps", type=int, default=300,
+                   help="part 1: untimed steps of ours on fresh batches before timing (enough for the cache to "
+                        "fill and churn, and for lfu's counts of use to tell the hot rows)")
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds (medians reported)")
     p.add_argument("--per-round", type=int, default=6, help="steps per round and trainer")
     p.add_argument("--torch-per-round", type=int, default=1, help="part 1: steps per round of the torch CPU baseline")

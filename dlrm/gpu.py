@@ -3,7 +3,7 @@ cached-table API.
 
 Placement on a GPU (``--policy``): ``dram`` keeps every table in HBM (a ``SimpleEmbedding`` over a
 CachedArray on the GPU level); ``simple``, ``static`` and ``dynamic`` keep the tables in host DRAM
-and cache hot rows in HBM (the GPU ``CachedEmbeddings``; ``lru``: the set-associative
+and cache hot rows in HBM (the GPU ``CachedEmbeddings``; ``lru``/``lfu``: the set-associative
 ``LRUCachedEmbeddings`` run by the GPU itself), whose ``prefetch(cached, next_indices)`` brings
 the next batch's missing rows in while the current batch computes. ``--fast-budget``
 is the capacity of the manager's GPU level, so it caps the HBM the tables may use; what must be
@@ -19,7 +19,9 @@ from typing import Any
 from cachedarrays import parse_size
 from embeddings.gpu import prefetcher
 from embeddings.gpu.cached import STAGING_ROWS, STATE_BYTES, prefetch
-from embeddings.gpu.lru import SLOT_BYTES, WAYS
+from embeddings.gpu.lru import WAYS, slot_bytes
+
+from .placement import GPU_POLICIES
 
 SLACK = 64 << 20  # bytes a level keeps beyond what is counted (alignment, small objects)
 
@@ -47,14 +49,15 @@ def parse_budget(text: str) -> str:
 def hbm_need(policy: str, sizes: Sequence[int], featuresize: int, cache_rows: Sequence[int]) -> int:
     """Bytes that must be in HBM: every table under ``dram``; under the cached policies each
     table's cache and staging rows with room for row-wise Adagrad's accumulator beside them
-    (``lru``: and each cache slot's tag, stamp and dirty bit, the cache rounded up to whole
-    sets; the other policies keep their pointer tables on the host)."""
+    (``lru``/``lfu``: and each cache slot's tag, stamp, dirty bit and under ``lfu`` count of
+    use, the cache rounded up to whole sets; the other policies keep their pointer tables on
+    the host)."""
     if policy == "dram":
         return sum(int(n) * featuresize * 4 for n in sizes)
     per_row = featuresize * 4 + STATE_BYTES
-    if policy == "lru":
+    if policy in GPU_POLICIES:
         slots = sum(-(-int(c) // WAYS) * WAYS for c in cache_rows)
-        return (per_row + SLOT_BYTES) * slots + per_row * STAGING_ROWS * len(sizes)
+        return (per_row + slot_bytes(policy)) * slots + per_row * STAGING_ROWS * len(sizes)
     cached = 0 if policy == "simple" else sum(int(c) for c in cache_rows)
     return per_row * (cached + STAGING_ROWS * len(sizes))
 
@@ -125,6 +128,7 @@ def cache_fraction_for(budget: int, policy: str, sizes: Sequence[int], featuresi
     spare = budget - SLACK - hbm_need(policy, sizes, featuresize, [0] * len(sizes))
     if spare <= 0:
         return 0.0
-    per_row = featuresize * 4 + STATE_BYTES + (SLOT_BYTES if policy == "lru" else 0)
-    spare -= (WAYS * per_row * len(sizes) if policy == "lru" else 0)  # each table's last set, rounded up
+    sets = policy in GPU_POLICIES
+    per_row = featuresize * 4 + STATE_BYTES + (slot_bytes(policy) if sets else 0)
+    spare -= (WAYS * per_row * len(sizes) if sets else 0)  # each table's last set, rounded up
     return max(0.0, min(1.0, spare / (rows * per_row)))

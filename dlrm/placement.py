@@ -13,7 +13,8 @@ On a manager whose fast level is a GPU (``--device gpu``, :mod:`dlrm.gpu`), ``dr
 are in HBM and the cached policies use the GPU ``CachedEmbeddings`` over tables in host DRAM
 (``simple``: no cache rows, every row read from the host); ``lru`` (GPU only) caches rows in
 sets of ways whose tags live in HBM, so the device itself finds and moves the rows
-(:class:`embeddings.gpu.lru.LRUCachedEmbeddings`).
+(:class:`embeddings.gpu.lru.LRUCachedEmbeddings`); ``lfu`` is the same cache whose missed rows
+take the way used in the fewest batches rather than the least recently used one.
 
 Tables are filled with the reference DLRM initialisation, uniform in +-sqrt(1/rows), from a
 per-table seeded stream (chunked, so a 10M-row table needs no float64 temporary).
@@ -31,7 +32,7 @@ from embeddings import CachedEmbeddings, EmbeddingTable, SimpleEmbedding
 from .data.batch import Batch
 
 POLICIES = ("dram", "simple", "static", "dynamic")
-GPU_POLICIES = ("lru",)  # policies only a GPU manager has
+GPU_POLICIES = ("lru", "lfu")  # policies only a GPU manager has: the set-associative cache's replacements
 _INIT_CHUNK = 1 << 20  # rows per initialisation chunk
 
 
@@ -84,7 +85,7 @@ def make_tables(sizes: Sequence[int], featuresize: int, policy: str, manager: Ma
     table, the rows a ``static`` cache holds (see :func:`hot_rows`); random rows when None.
     ``arrays``: existing float32 ``(rows, featuresize)`` arrays to build the tables over instead of
     new ones (e.g. the named objects of a persistent pool); ``dram`` moves them into DRAM.
-    ``lru_reads``: how an ``lru`` cache's missed rows come up (``LRUCachedEmbeddings(reads=)``).
+    ``lru_reads``: how an ``lru`` or ``lfu`` cache's missed rows come up (``LRUCachedEmbeddings(reads=)``).
     """
     if policy not in POLICIES + GPU_POLICIES:
         raise ValueError(f"policy must be one of {POLICIES + GPU_POLICIES}, got {policy!r}")
@@ -92,11 +93,11 @@ def make_tables(sizes: Sequence[int], featuresize: int, policy: str, manager: Ma
         manager.set_policy(LRUPolicy())
     names = [f"table{i}" for i in range(len(sizes))] if names is None else list(names)
     on_gpu = manager.fast.memory_space != "host"
-    if policy == "lru" and not on_gpu:
-        raise ValueError("policy 'lru' is the GPU cache (tags in HBM): it needs a manager whose fast level is a GPU")
-    cached = policy in ("static", "dynamic", "lru") or (on_gpu and policy == "simple")
+    if policy in GPU_POLICIES and not on_gpu:
+        raise ValueError(f"policy {policy!r} is the GPU cache (tags in HBM): it needs a manager whose fast level is a GPU")
+    cached = policy in ("static", "dynamic") + GPU_POLICIES or (on_gpu and policy == "simple")
     cache_class = CachedEmbeddings
-    if policy == "lru":
+    if policy in GPU_POLICIES:
         from embeddings.gpu.lru import LRUCachedEmbeddings as cache_class
     elif on_gpu and cached:
         from embeddings.gpu.cached import CachedEmbeddings as cache_class
@@ -125,8 +126,8 @@ def make_tables(sizes: Sequence[int], featuresize: int, policy: str, manager: Ma
         if cached:
             rows = cache_rows(n, cache_fraction) if policy != "simple" else 0
             hot_t = hot[t] if hot is not None and policy == "static" else None
-            if policy == "lru":
-                tables.append(cache_class(x, manager, cache_rows=rows, reads=lru_reads, name=name))
+            if policy in GPU_POLICIES:
+                tables.append(cache_class(x, manager, cache_rows=rows, reads=lru_reads, replacement=policy, name=name))
                 continue
             extra = {"manager": manager} if on_gpu else {}
             tables.append(cache_class(x, policy=policy, cache_rows=rows, hot=hot_t, name=name, **extra))

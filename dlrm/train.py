@@ -107,10 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("memory (ours)")
     m.add_argument("--policy", choices=POLICIES + GPU_POLICIES, default="dram",
                    help="dram: tables in DRAM; simple: tables in PM; static/dynamic: CachedEmbeddings; "
-                        "lru (--device gpu): a set-associative cache in HBM run by the GPU itself")
-    m.add_argument("--cache-fraction", type=float, default=0.1, help="static/dynamic/lru: cached rows per table")
+                        "lru, lfu (--device gpu): a set-associative cache in HBM run by the GPU itself, a missed "
+                        "row taking the least recently used way of its set (lru) or the way used in the fewest "
+                        "batches (lfu: keeps the hot rows of skewed traffic)")
+    m.add_argument("--cache-fraction", type=float, default=0.1, help="static/dynamic/lru/lfu: cached rows per table")
     m.add_argument("--lru-reads", choices=READS, default="split",
-                   help="lru: how missed rows come up: split (the GPU reads a share from host memory while CPU "
+                   help="lru/lfu: how missed rows come up: split (the GPU reads a share from host memory while CPU "
                         "threads gather the rest, the share adapting until both take as long), mapped (the GPU "
                         "reads them all) or staged (CPU threads gather them all into one block copied up at once)")
     m.add_argument("--static-sample-batches", type=int, default=16,
@@ -124,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(created if missing) and continue from its last durable point")
     m.add_argument("--threads", type=int, default=0, help="numba threads (0: all cores)")
     m.add_argument("--device", choices=DEVICES, default="cpu",
-                   help="gpu: dense part and tables on the GPU (dram: tables in HBM; simple/static/dynamic/lru: "
+                   help="gpu: dense part and tables on the GPU (dram: tables in HBM; simple/static/dynamic/lru/lfu: "
                         "host tables with hot rows cached in HBM)")
     m.add_argument("--fast-budget", type=gpu.parse_budget, default="auto", metavar="SIZE|PCT",
                    help="--device gpu: HBM the tables may use, a size (8GiB) or a percentage of the tables' bytes "
@@ -199,8 +201,9 @@ def check_args(args) -> None:
         if args.resume_from_pool or args.pm_path is not None:
             raise SystemExit("error: --device gpu keeps the tables in host DRAM and HBM; --pm-path and "
                              "--resume-from-pool are CPU-only (use --save/--load to checkpoint)")
-    elif args.policy == "lru":
-        raise SystemExit("error: --policy lru is the GPU cache (tags in HBM, run by the GPU); it needs --device gpu")
+    elif args.policy in GPU_POLICIES:
+        raise SystemExit(f"error: --policy {args.policy} is the GPU cache (tags in HBM, run by the GPU); "
+                         "it needs --device gpu")
     elif args.fast_budget != "auto":
         raise SystemExit("error: --fast-budget caps the HBM of --device gpu; the CPU run's DRAM heap is --fast-capacity")
     if args.save:

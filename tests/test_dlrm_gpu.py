@@ -38,7 +38,9 @@ def test_hbm_need_counts_tables_or_cache_and_staging_rows():
     assert gpu.hbm_need("simple", sizes, F, rows) == 2 * gpu.STAGING_ROWS * per_row
     # lru: each cache rounded up to whole sets of WAYS slots, each slot with its tag, stamp and dirty bit
     slots = 16 + 112 if gpu.WAYS == 16 else None
-    assert gpu.hbm_need("lru", sizes, F, rows) == (per_row + gpu.SLOT_BYTES) * slots + 2 * gpu.STAGING_ROWS * per_row
+    assert gpu.hbm_need("lru", sizes, F, rows) == (per_row + 8 + 4 + 1) * slots + 2 * gpu.STAGING_ROWS * per_row
+    # lfu: and each slot's count of batches of use
+    assert gpu.hbm_need("lfu", sizes, F, rows) == (per_row + 8 + 4 + 1 + 4) * slots + 2 * gpu.STAGING_ROWS * per_row
 
 
 def test_resolve_budget_reads_percentages_of_the_tables_and_refuses_too_little():
@@ -66,6 +68,7 @@ def test_device_gpu_without_a_gpu_says_why():
     (["--fast-budget", "1GiB"], "--fast-budget caps the HBM of --device gpu"),
     (["--device", "gpu", "--pm-path", "somewhere"], "--pm-path and --resume-from-pool are CPU-only"),
     (["--policy", "lru"], "--policy lru is the GPU cache .* it needs --device gpu"),
+    (["--policy", "lfu"], "--policy lfu is the GPU cache .* it needs --device gpu"),
 ])
 def test_contradictory_device_flags_are_refused(extra, message):
     with pytest.raises(SystemExit, match=message):
@@ -78,7 +81,7 @@ def test_with_next_pairs_every_batch_with_the_one_after():
 
 
 # ------------------------------------------------------------------ on a GPU
-CACHED = ("static", "dynamic", "simple", "lru")
+CACHED = ("static", "dynamic", "simple", "lru", "lfu")
 
 
 def _policies():
@@ -154,7 +157,7 @@ def test_gpu_checkpoint_resume_and_a_budget_several_times_smaller_than_the_table
 
 
 
-@pytest.mark.parametrize("policy", ["dynamic", "lru"])
+@pytest.mark.parametrize("policy", ["dynamic", "lru", "lfu"])
 def test_cache_fraction_for_a_budget_is_the_inverse_of_hbm_need(policy):
     sizes, F = [400_000, 200_000], 64
     budget = gpu.SLACK + 10_000_000
@@ -163,6 +166,8 @@ def test_cache_fraction_for_a_budget_is_the_inverse_of_hbm_need(policy):
     assert gpu.hbm_need(policy, sizes, F, rows) <= budget - gpu.SLACK
     assert gpu.hbm_need(policy, sizes, F, [r + 100 for r in rows]) > budget - gpu.SLACK
     assert gpu.cache_fraction_for(gpu.SLACK, "static", sizes, F) == 0.0
+    if policy == "lfu":  # its counts of use take room from the rows
+        assert f < gpu.cache_fraction_for(budget, "lru", sizes, F)
 
 
 def test_the_per_table_path_prefetches_the_next_batch_while_the_dense_work_runs(monkeypatch):

@@ -154,8 +154,10 @@ def test_unknown_policy_or_cache_fraction_is_refused(tmp_path):
             make_tables(SIZES, F, "static", m, cache_fraction=1.5)
         with pytest.raises(ValueError, match="policy"):
             make_tables(SIZES, F, "hbm", m)
-        with pytest.raises(ValueError, match="policy 'lru' is the GPU cache"):
-            make_tables(SIZES, F, "lru", m)
+        for policy in ("lru", "lfu"):
+            with pytest.raises(ValueError, match=f"policy '{policy}' is the GPU cache"):
+                make_tables(SIZES, F, policy, m)
+        m.check()
 
 
 def test_dram_policy_refuses_a_table_larger_than_dram(tmp_path):

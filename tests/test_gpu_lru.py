@@ -22,7 +22,7 @@ from cachedarrays.devices import gpu as gpu_device
 from cachedarrays.errors import InvariantError
 from embeddings.gpu.cached import prefetch
 from embeddings.gpu import lru_group as LG
-from embeddings.gpu.lru import LRUCachedEmbeddings
+from embeddings.gpu.lru import REPLACEMENTS, LRUCachedEmbeddings
 
 from test_gpu_cached import (MirroredCache, Reference, _as_np, base_rows as _base_rows, gpu_manager, host_manager,
                              train_and_compare, zipf_batch)
@@ -73,11 +73,12 @@ def fresh(seed: int, **kw) -> tuple[np.ndarray, object, LRUCachedEmbeddings]:
                                                      (4, 400, 8, "staged"), (4, 40, 2, "split"),
                                                      (4, 400, 8, "split")])
 @pytest.mark.parametrize("opt", ["sgd", "adagrad"])
-def test_lookups_and_updates_equal_the_uncached_table_bit_for_bit(ways, rows, staging, reads, opt):
+@pytest.mark.parametrize("replacement", REPLACEMENTS)
+def test_lookups_and_updates_equal_the_uncached_table_bit_for_bit(ways, rows, staging, reads, opt, replacement):
     rng = np.random.default_rng(ways * 7 + rows)
     W0 = rng.standard_normal((N, F)).astype(np.float32)
     m = host_manager()
-    t = make(W0, m, cache_rows=rows, ways=ways, staging_rows=staging, reads=reads)
+    t = make(W0, m, cache_rows=rows, ways=ways, staging_rows=staging, reads=reads, replacement=replacement)
     ref = Reference(W0)
     mk = (lambda: E.SGD(0.1)) if opt == "sgd" else (lambda: E.RowwiseAdagrad(0.1))
     ours, theirs = mk(), mk()
@@ -161,6 +162,34 @@ def test_the_least_recently_used_way_of_a_set_goes_first_and_dirty_rows_go_back(
     assert (hits, misses, admitted) == (1, 4, 4)  # the update's resolution reused the lookup of 5
     t.check()
     t.close()
+
+
+@pytest.mark.parametrize("replacement,kept", [("lru", {9, 11}), ("lfu", {5, 11})])
+def test_lfu_keeps_a_row_used_in_many_batches_where_lru_keeps_the_latest_rows(replacement, kept):
+    W0 = np.arange(N * F, dtype=np.float32).reshape(N, F)
+    m = host_manager()
+    t = make(W0, m, cache_rows=2, ways=2, replacement=replacement)  # one set of two ways
+    for _ in range(3):
+        E.lookup(t, np.array([[5, 5]]))  # three batches of use, however often each batch used it
+    E.lookup(t, np.array([[7]]))  # the latest row: lru's last to go; lfu's first (one batch of use)
+    if replacement == "lfu":
+        assert sorted(zip(_host(t._tags).tolist(), _host(t._uses).tolist())) == [(5, 3), (7, 1)]
+    E.lookup(t, np.array([[9]]))
+    E.lookup(t, np.array([[11]]))
+    assert set(_host(t._tags).tolist()) == kept
+    assert t.counts[0] == 4  # both entries of the second and third batches (the first batch's both missed)
+    t.check()
+    t.close()
+    m.check()
+
+
+def test_a_replacement_that_does_not_exist_is_refused_naming_the_choices():
+    W0 = np.zeros((N, F), np.float32)
+    m = host_manager()
+    with pytest.raises(ValueError, match=r"emb: replacement must be one of \('lru', 'lfu'\), got 'mru'"):
+        make(W0, m, cache_rows=8, replacement="mru", name="emb")
+    m.check()
+    assert m.fast.used_bytes == 0
 
 
 def test_a_set_whose_ways_the_batch_fills_stages_the_rest_and_writes_their_updates_back():
@@ -655,13 +684,13 @@ class LRUMachine(MirroredCache):
     contents = staticmethod(contents)
 
     @initialize(rows=st.integers(1, 60), ways=st.integers(1, 8), staging=st.integers(1, 6), adagrad=st.booleans(),
-                reads=st.sampled_from(["mapped", "staged", "split"]))
-    def setup(self, rows, ways, staging, adagrad, reads):
+                reads=st.sampled_from(["mapped", "staged", "split"]), replacement=st.sampled_from(REPLACEMENTS))
+    def setup(self, rows, ways, staging, adagrad, reads, replacement):
         self.rng = np.random.default_rng(rows * 31 + ways)
         W0 = self.rng.standard_normal((120, 4)).astype(np.float32)
         self.start(rows, W0, adagrad)
         self.t = LRUCachedEmbeddings(W0.copy(), self.m, cache_rows=rows, ways=ways, staging_rows=staging,
-                                     reads=reads)
+                                     reads=reads, replacement=replacement)
         self.planned: list[np.ndarray] = []
 
     @rule(n=st.integers(0, 12), k=st.integers(1, 2))
@@ -745,14 +774,16 @@ def test_on_the_gpu_a_replaced_accumulator_is_no_longer_page_locked_and_host_cop
 SPECS = [(3000, 600, 4), (5000, 512, 8), (800, 200, 4)]  # rows, cache rows, ways
 
 
-def trace_tables(m, together: bool, seed: int = 15, reads: str = "mapped") -> tuple[list, int]:
-    """Three lru tables (``reads``) trained for 9 steps with Adagrad (lookup, prefetch of the next
+def trace_tables(m, together: bool, seed: int = 15, reads: str = "mapped",
+                 replacement: str = "lru") -> tuple[list, int]:
+    """Three tables (``reads``, ``replacement``) trained for 9 steps with Adagrad (lookup, prefetch of the next
     batch, update), prefetched ``together`` (one table-batched placement) or one table at a time:
     the state of every table after every step (tags, stamps, dirty bits, counts, contents, the
-    accumulator), and for each prefetch how many functions did it and whether each placed every row."""
+    accumulator, lfu's counts of use), and for each prefetch how many functions did it and whether each placed every row."""
     rng = np.random.default_rng(seed)
     ts = [LRUCachedEmbeddings(rng.standard_normal((r, 16)).astype(np.float32), m, cache_rows=c, ways=w,
-                              staging_rows=2, reads=reads, name=f"t{i}") for i, (r, c, w) in enumerate(SPECS)]
+                              staging_rows=2, reads=reads, replacement=replacement, name=f"t{i}")
+          for i, (r, c, w) in enumerate(SPECS)]
     batches = [[zipf_batch(rng, 64, 4, r) for r, _, _ in SPECS] for _ in range(10)]
     opt = E.RowwiseAdagrad(0.1)
     states, runs = [], []
@@ -766,18 +797,31 @@ def trace_tables(m, together: bool, seed: int = 15, reads: str = "mapped") -> tu
         for t, b in zip(ts, batches[step]):
             E.pullback(t, rng.standard_normal((64, 16)).astype(np.float32), b, optimizer=opt)
         states.append([tuple(np.array(a) for a in (_host(t._tags), _host(t._stamp), _host(t._dirty), t.counts,
-                                                    contents(t), opt.state(t))) for t in ts])  # copies, not views
+                                                    contents(t), opt.state(t), _uses(t))) for t in ts])  # copies
     for t in ts:
         t.check()
         t.close()
     return states, runs
 
 
+def _uses(t: LRUCachedEmbeddings) -> np.ndarray:
+    return np.zeros(0, np.int32) if t._uses is None else _host(t._uses)
+
+
 def assert_same_traces(a: list, b: list) -> None:
     for step, (x, y) in enumerate(zip(a, b)):
         for i, (u, v) in enumerate(zip(x, y)):
-            for name, p, q in zip(("tags", "stamps", "dirty", "counts", "contents", "accumulator"), u, v):
+            for name, p, q in zip(("tags", "stamps", "dirty", "counts", "contents", "accumulator", "uses"), u, v):
                 np.testing.assert_array_equal(p, q, err_msg=f"step {step}, table {i}: {name}")
+
+
+def test_lfu_places_the_traced_batches_otherwise_than_lru_and_alone_as_together():
+    lfu, runs = trace_tables(host_manager(), True, replacement="lfu")
+    alone, _ = trace_tables(host_manager(), False, replacement="lfu")
+    assert_same_traces(lfu, alone)
+    lru, _ = trace_tables(host_manager(), True)
+    assert any(not np.array_equal(p[0][0], q[0][0]) for p, q in zip(lfu, lru))  # other rows cached
+    assert all(u[-1].min() >= 0 and u[-1].max() > 1 for u in lfu[-1])  # rows used in several batches counted
 
 
 def test_a_table_batched_prefetch_makes_each_tables_own_decisions(monkeypatch):
@@ -812,23 +856,29 @@ def test_the_table_batched_cuda_kernels_make_the_numpy_forms_decisions():
         on_gpu, runs = trace_tables(gm, True)
         staged, _ = trace_tables(gm, True, reads="staged")
         split, _ = trace_tables(gm, True, reads="split")
+        lfu_gpu, lfu_runs = trace_tables(gm, True, replacement="lfu")
     on_cpu, runs_cpu = trace_tables(host_manager(), True)
     assert runs == runs_cpu and (1, [False]) in runs
     assert_same_traces(on_gpu, on_cpu)
     assert_same_traces(staged, on_cpu)  # the rows gathered on the host and put into their slots
     assert_same_traces(split, on_cpu)  # some rows read by the GPU, the others gathered on the host
+    lfu_cpu, lfu_runs_cpu = trace_tables(host_manager(), True, replacement="lfu")
+    assert lfu_runs == lfu_runs_cpu
+    assert_same_traces(lfu_gpu, lfu_cpu)  # counts of use once a batch (atomics), the order of eviction
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
-def test_the_gpu_cache_makes_the_decisions_of_its_numpy_form():
+@pytest.mark.parametrize("replacement", REPLACEMENTS)
+def test_the_gpu_cache_makes_the_decisions_of_its_numpy_form(replacement):
     """Same batches, same sizes: the CUDA path and the numpy path hold the same rows in the same
     slots, with the same stamps and dirty bits, after every step (prefetch and staging included)."""
     rng = np.random.default_rng(14)
     W0 = rng.standard_normal((3000, 16)).astype(np.float32)
     with gpu_manager() as gm:
         hm = host_manager()
-        ts = [LRUCachedEmbeddings(W0.copy(), mm, cache_rows=96, ways=4, staging_rows=2, name="t") for mm in (hm, gm)]
+        ts = [LRUCachedEmbeddings(W0.copy(), mm, cache_rows=96, ways=4, staging_rows=2, replacement=replacement,
+                                  name="t") for mm in (hm, gm)]
         opts = [E.RowwiseAdagrad(0.1), E.RowwiseAdagrad(0.1)]
         nxt = zipf_batch(rng, 64, 4, 3000)
         for step in range(12):
@@ -839,7 +889,7 @@ def test_the_gpu_cache_makes_the_decisions_of_its_numpy_form():
                 if step % 4:
                     prefetch(t, nxt.ravel())
                 E.pullback(t, g, idx, optimizer=o)
-            for name in ("_tags", "_stamp", "_dirty"):
+            for name in ("_tags", "_stamp", "_dirty") + (("_uses",) if replacement == "lfu" else ()):
                 np.testing.assert_array_equal(_host(getattr(ts[0], name)), _host(getattr(ts[1], name)), err_msg=name)
             assert np.array_equal(ts[0].counts, ts[1].counts)
         for t in ts:

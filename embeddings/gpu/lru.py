@@ -66,7 +66,14 @@ from .hbm import DeviceArrays
 
 WAYS = 16
 SLOT_BYTES = 8 + 4 + 1  # per slot beside its row: tag (int64), stamp (int32), dirty bit (bool)
+USES_BYTES = 4  # and under ``lfu`` its count of batches of use (int32)
 READS = ("mapped", "staged", "split")  # how a placement's rows come in (:func:`.lru_group.read`)
+REPLACEMENTS = ("lru", "lfu")  # which way of a set a missed row takes (:func:`.lru_kernels.eviction_keys`)
+
+
+def slot_bytes(replacement: str = "lru") -> int:
+    """HBM a cache slot needs beside its row under ``replacement``."""
+    return SLOT_BYTES + (USES_BYTES if replacement == "lfu" else 0)
 
 
 class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
@@ -79,7 +86,13 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
     :attr:`read_share` of them through their mapped host addresses while CPU threads gather the
     rest, the share adapting each placement until both parts take as long), ``"mapped"`` (the
     GPU reads them all) or ``"staged"`` (CPU threads gather them all into one block that goes up
-    in one copy; :func:`.lru_group.read`); it may be changed between steps."""
+    in one copy; :func:`.lru_group.read`); it may be changed between steps. ``replacement``:
+    which way of its set a missed row takes, ``"lru"`` (the default: the least recently used)
+    or ``"lfu"`` (the way whose row was used in the fewest batches since it came in, the least
+    recently used among equals; 4 more bytes of HBM a slot). Under skewed (Zipf) traffic
+    ``lfu`` keeps the hot rows that a burst of rows seen once would push out of an LRU set;
+    it does not age its counts, so rows hot long ago stay until their set runs out of colder
+    ways."""
 
     policy = "lru"
     _inflight: threading.Event | None = None  # set when a background prefetch has finished
@@ -88,9 +101,12 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
 
     def __init__(self, base: Any, manager: Manager | None = None, *, cache_rows: int | None = None,
                  cache_fraction: float = 0.1, ways: int = WAYS, staging_rows: int = STAGING_ROWS,
-                 reads: str = "split", name: str = "table") -> None:
+                 reads: str = "split", replacement: str = "lru", name: str = "table") -> None:
         self.name = name
         self.reads = reads  # checked before anything is allocated
+        if replacement not in REPLACEMENTS:
+            raise ValueError(f"{name}: replacement must be one of {REPLACEMENTS}, got {replacement!r}")
+        self.replacement = replacement
         self.read_share = 0.5
         self.base_array, self.manager, pin = C.open_base(base, manager, name)
         self._pins = [pin]
@@ -111,14 +127,13 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
             self._tags = self._hbm.new((S,), np.int64)
             self._stamp = self._hbm.new((S,), np.int32)
             self._dirty = self._hbm.new((S + 1,), np.bool_)  # [S]: where staging slots' bits go
+            self._uses = self._hbm.new((S,), np.int32) if replacement == "lfu" else None
             self._state_map: weakref.finalize | None = None
             self._hbase, _ = self.backend.mapped(self._base, False, self.name)
         except BaseException:
             self.close()
             raise
-        self._tags.fill(-1)
-        self._stamp.fill(0)
-        self._dirty.fill(False)
+        self._drop_rows()
         self._rowbytes = F * 4
         xp = self.backend.xp
         # on the device: hits, misses, rows admitted, evictions written back, the last placement left a row out
@@ -514,10 +529,16 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         self._finish_staging()
         self._drop_all()
 
-    def _drop_all(self) -> None:
+    def _drop_rows(self) -> None:
+        """Every slot free: no tag, stamp 0, clean, no use."""
         self._tags.fill(-1)
         self._stamp.fill(0)
         self._dirty.fill(False)
+        if self._uses is not None:
+            self._uses.fill(0)
+
+    def _drop_all(self) -> None:
+        self._drop_rows()
         self._ahead.clear()
         self._memo = None
         self._generation += 1
@@ -591,13 +612,17 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
             raise InvariantError(f"{name}: free slots {np.flatnonzero(dirty & ~live)[:5]} are marked dirty")
         if np.any(stamp > self._clock) or np.any(stamp < 0):
             raise InvariantError(f"{name}: stamps beyond the clock ({self._clock})")
+        if self._uses is not None:
+            uses = be.to_host(self._uses)
+            if np.any(uses[live] < 1) or np.any(uses[live] > np.maximum(stamp[live], 1)) or np.any(uses[~live] != 0):
+                raise InvariantError(f"{name}: counts of use outside [1, stamp] for cached rows or not 0 for free slots")
         staged = be.to_host(self._staged)
         if np.intersect1d(staged, rows).size:
             raise InvariantError(f"{name}: rows {np.intersect1d(staged, rows)[:5]} are both cached and staged")
 
     def __repr__(self) -> str:
         return (f"LRUCachedEmbeddings({self.name!r}, nvectors={self.nvectors()}, featuresize={self.featuresize()}, "
-                f"{self.sets} sets x {self.ways} ways)")
+                f"{self.sets} sets x {self.ways} ways, {self.replacement})")
 
 
 class Ahead(NamedTuple):

@@ -32,7 +32,7 @@ from . import lru_kernels as LK
 
 # a table's row of the pointer table (:attr:`Group.dev`): parameters, then device pointers
 FIELDS = ("P_SETS", "P_WAYS", "P_R", "P_SBASE", "P_NOW", "P_LOCK", "P_TAGS", "P_STAMP", "P_DIRTY", "P_COUNTS", "P_W",
-          "P_HOME", "P_DSTATE", "P_HSTATE")
+          "P_HOME", "P_DSTATE", "P_HSTATE", "P_USES")  # P_USES: 0 under lru
 P_W, P_HOME, P_DSTATE, P_HSTATE = (FIELDS.index(f) for f in ("P_W", "P_HOME", "P_DSTATE", "P_HSTATE"))
 
 SOURCE = LK.SOURCE_HEAD + f"""
@@ -55,10 +55,22 @@ extern "C" __global__ void tb_probe(const i64* idx, i64 n, const i64* off, int T
         int ways = (int)P[P_WAYS];
         i64 r = idx[i], s = set_of(r, P[P_SETS]), first = s * ways, found = -1;
         for (int w = 0; w < ways; ++w) if (tags[first + w] == r) { found = first + w; break; }
-        if (found >= 0) ((int*)P[P_STAMP])[found] = (int)P[P_NOW];
+        if (found >= 0) {
+            int* stamp = (int*)P[P_STAMP];
+            int* uses = (int*)P[P_USES];
+            int now = (int)P[P_NOW];
+            if (!uses) stamp[found] = now;
+            else if (atomicExch(&stamp[found], now) != now) atomicAdd(&uses[found], 1);  /* once a batch */
+        }
         slot[i] = found;
         key[i] = found >= 0 ? none : (P[P_SBASE] + s) * Rmax + r;
     }
+}
+
+/* a way's place in the order of eviction (lru_kernels.eviction_keys) */
+__device__ __forceinline__ i64 eviction_key(const int* stamp, const int* uses, i64 slot, int lock) {
+    i64 s = stamp[slot];
+    return ((i64)(s >= lock) << 62) | (uses ? (i64)uses[slot] << 31 : 0) | s;
 }
 
 /* one thread per table: its hits and misses (misses: sorted keys inside its sets' range) */
@@ -81,13 +93,17 @@ extern "C" __global__ void tb_victims(const i64* sk, const bool* first, const i6
             t = table_of(sbase, T, g);
             const i64* P = tabs + t * NF;
             const int* stamp = (const int*)P[P_STAMP];
+            const int* uses = (const int*)P[P_USES];
             int ways = (int)P[P_WAYS], lock = (int)P[P_LOCK];
             i64 base = (g - sbase[t]) * ways, k = pos[i] - pos[lower_bound(sk, n, g * Rmax)];
             if (k < ways) {
                 for (int w = 0; w < ways; ++w) {
-                    i64 key = (i64)stamp[base + w] * ways + w;
+                    i64 key = eviction_key(stamp, uses, base + w, lock);
                     int below = 0;
-                    for (int u = 0; u < ways; ++u) below += ((i64)stamp[base + u] * ways + u) < key;
+                    for (int u = 0; u < ways; ++u) {
+                        i64 other = eviction_key(stamp, uses, base + u, lock);
+                        below += other < key || (other == key && u < w);
+                    }
                     if (below == k) { if (stamp[base + w] < lock) v = base + w; break; }
                 }
             }
@@ -160,6 +176,7 @@ extern "C" __global__ void tb_settle(const i64* row, const i64* victim, const i6
         atomicAdd(&counts[2], 1ull);
         if (tags[v] >= 0 && dirty[v]) atomicAdd(&counts[3], 1ull);
         tags[v] = row[j]; ((int*)P[P_STAMP])[v] = (int)P[P_NOW]; dirty[v] = false;
+        if (P[P_USES]) ((int*)P[P_USES])[v] = 1;
     }
 }
 """
@@ -201,7 +218,7 @@ class Group:
             be = tables[0].backend
             rows = [[t.sets, t.ways, t.nvectors(), int(self.sbase[i]), now[i], lock[i],
                      _ptr(t._tags), _ptr(t._stamp), _ptr(t._dirty), _ptr(t._counts), _ptr(t._W), _ptr(t._hbase),
-                     _ptr(t._dstate), _ptr(t._hstate_dev if t._dstate is not None else None)]
+                     _ptr(t._dstate), _ptr(t._hstate_dev if t._dstate is not None else None), _ptr(t._uses)]
                     for i, t in enumerate(tables)]
             n = self.T * len(FIELDS)
             whole = be.asarray(np.concatenate([np.array(rows, np.int64).ravel(), self.off, self.sbase]))  # one copy
@@ -226,7 +243,7 @@ def probe(g: Group, idx: Any) -> tuple[Any, Any]:
         slot, key = np.empty(n, np.int64), np.full(n, g.none, np.int64)
         for t, tb in enumerate(g.tables):
             s = g.span(t)
-            slot[s], k = LK.probe(idx[s], tb._tags, tb._stamp, tb.sets, tb.ways, g.now[t], tb.nvectors())
+            slot[s], k = LK.probe(idx[s], tb._tags, tb._stamp, tb.sets, tb.ways, g.now[t], tb.nvectors(), tb._uses)
             miss = slot[s] < 0
             R = tb.nvectors()
             key[s] = np.where(miss, (k // R + g.sbase[t]) * g.Rmax + k % R, g.none)
@@ -257,7 +274,8 @@ def victims(g: Group, sk: Any, first: Any, pos: Any) -> tuple[Any, Any]:
         victim, tid = np.full(n, -1, np.int64), np.full(n, -1, np.int64)
         for t, tb in enumerate(g.tables):
             s, k = g.local(sk, t)
-            victim[s] = LK.victims(k, first[s], pos[s], tb.nvectors(), tb._stamp, tb.ways, g.lock[t], tb._counts[4:5])
+            victim[s] = LK.victims(k, first[s], pos[s], tb.nvectors(), tb._stamp, tb.ways, g.lock[t], tb._counts[4:5],
+                                   tb._uses)
             tid[s] = np.where(first[s], t, -1)
         return victim, tid
     import cupy as cp
@@ -469,7 +487,7 @@ def settle(g: Group, row: Any, victim: Any, tid: Any) -> None:
     if g.host:
         for t, tb in enumerate(g.tables):
             at = tid == t
-            LK.settle(row[at], victim[at], tb._tags, tb._stamp, tb._dirty, g.now[t], tb._counts[2:4])
+            LK.settle(row[at], victim[at], tb._tags, tb._stamp, tb._dirty, g.now[t], tb._counts[2:4], tb._uses)
         return
     _launch("tb_settle", int(victim.size), (row, victim, tid, np.int64(victim.size), g.dev))
 

@@ -7,8 +7,9 @@ nothing waits for a size on the host.
 * :func:`probe` – each index's slot if its set holds the row (the slot is stamped), else a key
   that sorts the misses by set and row;
 * :func:`distinct` – over the sorted keys, where each distinct miss starts;
-* :func:`victims` – for each distinct miss, the ``k``-th least recently used way of its set
-  (``k``: the miss's rank in its set), unless that way is locked;
+* :func:`victims` – for each distinct miss, the ``k``-th way of its set in eviction order
+  (``k``: the miss's rank in its set; :func:`eviction_keys`: least recently used first, or
+  under ``lfu`` used in the fewest batches first), unless that way is locked;
 * :func:`settle` – after the victims' dirty rows went home and the new rows came in, record the
   new tags;
 * :func:`slots` – every index of a miss gets its distinct miss's slot;
@@ -113,16 +114,21 @@ def set_of(rows: Any, sets: int) -> Any:
 
 
 def probe(idx: np.ndarray, tags: np.ndarray, stamp: np.ndarray, sets: int, ways: int, now: int,
-          R: int) -> tuple[np.ndarray, np.ndarray]:
+          R: int, uses: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(slot of each index or -1, its key): a hit's slot gets stamp ``now`` and key ``sets * R``
     (above every miss's), a miss of row ``r`` in set ``s`` has key ``s * R + r`` (``R``: rows of
     the table), so that sorting the keys groups the misses by set, each distinct row once.
-    numpy only (the GPU probes all tables at once: :mod:`.lru_group`)."""
+    ``uses`` (``lfu``): each slot's count of batches that used its row, one more for every slot
+    this batch hits that no earlier probe under ``now`` stamped. numpy only (the GPU probes all
+    tables at once: :mod:`.lru_group`)."""
     s = set_of(idx, sets)
     first = s * ways
     match = tags[first[:, None] + np.arange(ways)] == idx[:, None]
     hit = match.any(axis=1)
     slot = np.where(hit, first + match.argmax(axis=1), -1)
+    if uses is not None:
+        used = np.unique(slot[hit])
+        uses[used[stamp[used] != now]] += 1
     stamp[slot[hit]] = now
     return slot, np.where(hit, sets * R, s * R + idx)
 
@@ -141,17 +147,29 @@ def distinct(sk: Any, R: int, none: int) -> tuple[Any, Any]:
     return first, row
 
 
+def eviction_keys(stamp: np.ndarray, uses: np.ndarray | None, lock: int) -> np.ndarray:
+    """The order in which ways give up their rows, lowest key first (ties: the lower way):
+    unlocked ways (stamp below ``lock``) before locked ones, then, under ``lfu``, fewer batches
+    of use first, then the least recently used. Under ``lru`` (``uses`` None) this is the order
+    of the stamps, as locked ways hold the latest ones."""
+    s = stamp.astype(np.int64)
+    key = ((s >= lock).astype(np.int64) << 62) | s
+    if uses is not None:
+        key |= uses.astype(np.int64) << 31
+    return key
+
+
 def victims(sk: np.ndarray, first: np.ndarray, pos: np.ndarray, R: int, stamp: np.ndarray, ways: int, lock: int,
-            left: np.ndarray) -> np.ndarray:
+            left: np.ndarray, uses: np.ndarray | None = None) -> np.ndarray:
     """For each distinct miss (``first``; ``pos``: inclusive running count of ``first``) of rank
-    ``k`` among its set's: the slot of the ``k``-th way ordered by (stamp, way), or -1 when
-    ``k >= ways`` or that way's stamp reaches ``lock`` (then ``left[0] = 1``); -1 elsewhere.
+    ``k`` among its set's: the slot of the ``k``-th way in :func:`eviction_keys` order, or -1
+    when ``k >= ways`` or that way's stamp reaches ``lock`` (then ``left[0] = 1``); -1 elsewhere.
     numpy only (on the GPU: :mod:`.lru_group`)."""
     s = np.where(first, sk // R, 0)
     rank = np.where(first, pos - pos[np.searchsorted(sk, s * R)], ways)
     base = s * ways
     at = base[:, None] + np.arange(ways)
-    order = np.argsort(stamp[at].astype(np.int64) * ways + np.arange(ways), axis=1)
+    order = np.argsort(eviction_keys(stamp[at], None if uses is None else uses[at], lock), axis=1, kind="stable")
     way = np.take_along_axis(order, np.minimum(rank, ways - 1)[:, None], axis=1)[:, 0]
     v = base + way
     v = np.where((rank < ways) & (stamp[v] < lock), v, -1)
@@ -166,14 +184,17 @@ def vector_kind(F: int, *arrays: Any) -> tuple[str, int]:
 
 
 def settle(rows: np.ndarray, victim: np.ndarray, tags: np.ndarray, stamp: np.ndarray, dirty: np.ndarray, now: int,
-           counts: np.ndarray) -> None:
-    """Record the moves: victims' tags, stamps ``now``, clean bits; ``counts[0] +=`` admitted
-    rows, ``counts[1] +=`` rows written back (read before the tags change). numpy only."""
+           counts: np.ndarray, uses: np.ndarray | None = None) -> None:
+    """Record the moves: victims' tags, stamps ``now``, clean bits (and one batch of use under
+    ``lfu``); ``counts[0] +=`` admitted rows, ``counts[1] +=`` rows written back (read before
+    the tags change). numpy only."""
     ok = victim >= 0
     v = victim[ok]
     counts[0] += v.size
     counts[1] += int(((tags[v] >= 0) & dirty[v]).sum())
     tags[v], stamp[v], dirty[v] = rows[ok], now, False
+    if uses is not None:
+        uses[v] = 1
 
 
 def slots(sk: Any, order: Any, victim: Any, none: int, slot: Any) -> None:
