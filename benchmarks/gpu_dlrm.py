@@ -11,10 +11,11 @@ same index stream:
   an HBM budget of ``--budget`` of the tables' bytes for the cache rows and their bookkeeping,
   the cache fraction being what the budget holds). ``--policy lru`` (default): the
   set-associative ``LRUCachedEmbeddings``, whose tags live in HBM so that the GPU finds hits and
-  moves misses itself; ``dynamic`` / ``static``: the ``CachedEmbeddings`` with host bookkeeping
+  moves misses itself (``--policy lfu``: the same cache, a missed row taking the way used in the
+  fewest batches); ``dynamic`` / ``static``: the ``CachedEmbeddings`` with host bookkeeping
   (caching on access, or the most frequent rows known from the index generator). The next
   batch is prefetched while the current batch's dense work runs, as ``dlrm.train`` does. Under
-  ``lru`` the model runs as three contenders, switched between rounds on the same tables and
+  ``lru`` and ``lfu`` the model runs as three contenders, switched between rounds on the same tables and
   index stream: the default split reads ("ours": the GPU reads a share of the missed rows
   through their mapped host addresses while CPU threads gather the rest, the share adapting),
   all read by the GPU ("ours, mapped reads") and all gathered by CPU threads then copied up at
