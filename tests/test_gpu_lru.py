@@ -177,6 +177,7 @@ def test_lfu_keeps_a_row_used_in_many_batches_where_lru_keeps_the_latest_rows(re
     E.lookup(t, np.array([[9]]))
     E.lookup(t, np.array([[11]]))
     assert set(_host(t._tags).tolist()) == kept
+    assert t.telemetry()["policy"] == replacement and replacement in repr(t)
     assert t.counts[0] == 4  # both entries of the second and third batches (the first batch's both missed)
     t.check()
     t.close()

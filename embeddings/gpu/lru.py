@@ -94,7 +94,6 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
     it does not age its counts, so rows hot long ago stay until their set runs out of colder
     ways."""
 
-    policy = "lru"
     _inflight: threading.Event | None = None  # set when a background prefetch has finished
     _home: Future | None = None  # the rows the last placement sent home, landing (:func:`.lru_group.drain`)
     _validated: tuple | None = None  # (validated indices, the prefetched placement they equal), for _take_ahead
@@ -157,6 +156,11 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         self.prefetch_fallbacks = 0  # prefetched batches whose lookup had to place them itself
         self._fallbacks_in_a_row = 0
         self._hstate_dev = None  # the optimizer's host accumulator as the device sees it
+
+    @property
+    def policy(self) -> str:
+        """The name reports and telemetry give this table's policy: its replacement."""
+        return self.replacement
 
     @property
     def read_share(self) -> float:
