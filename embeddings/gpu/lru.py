@@ -3,12 +3,14 @@
 Layout (FBGEMM's "UVM cache" design). The cache is ``sets x ways`` slots of rows in the
 manager's fast level (HBM); a row may live only in the ways of its set (a hash of the row
 number). Beside the rows, in HBM: the tags (the row each slot holds, -1 when free), the stamps
-(the last batch that used the slot) and the dirty bits. The base table stays in page-locked
-host memory, which the GPU reads in place through its mapped address.
+(the last batch that used the slot), the dirty bits and, under the ``lfu`` replacement, each
+slot's count of batches of use. The base table stays in page-locked host memory, which the GPU
+reads in place through its mapped address.
 
 Resolving a batch is array work on the device, with no per-index work on the host: probe the
 ways of each index's set, stamp the hits, find the distinct misses, give the k-th miss of a set
-the k-th least recently used way whose stamp is older than the batches in flight, write the
+the k-th way in the order of eviction (least recently used first; under ``lfu``, used in the
+fewest batches first) among those whose stamps are older than the batches in flight, write the
 evicted dirty rows back (gathered into one block, copied home in one DMA and scattered into the
 host table by CPU threads in the background, which anything reading host rows waits for) and
 read the admitted rows in (part over PCIe by the GPU, in host address order, beside that copy,
