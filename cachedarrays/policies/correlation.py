@@ -559,7 +559,7 @@ class CorrelationPrefetchPolicy(LRUPolicy):
         if fast.used_bytes + obj.nbytes + growth <= fast.capacity and self._fetch(obj, force=False):
             return True
         protected, free, tail = [], [], []  # tail: what no eviction can take now, in recency order
-        needed = kept = obj.nbytes  # needed: by q; kept: current or pinned
+        needed, kept = obj.nbytes, 0  # needed: by q (obj included); kept: current or pinned
         for o in map(m.getobject, list(self._orders[fast.name])):
             if o is None:
                 continue
@@ -577,7 +577,7 @@ class CorrelationPrefetchPolicy(LRUPolicy):
             else:
                 free.append(o)
         # what is born before q would push obj (or one needed sooner) out; or what must stay leaves no room
-        if needed + growth > fast.capacity or (self.skip_futile and needed + kept - obj.nbytes > fast.capacity):
+        if needed + growth > fast.capacity or (self.skip_futile and needed + kept > fast.capacity):
             if self.skip_futile:
                 self._futile = (obj.id, q, needed, self._released)
             return False
