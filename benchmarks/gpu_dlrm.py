@@ -84,6 +84,11 @@ def scatter(ranks: np.ndarray, n: int, table: int) -> np.ndarray:
     return ((ranks % n) * p + table) % n
 
 
+def table_rows(ranks: list, n: int, big: int) -> list:
+    """Each table's rows (int32) of Zipf ranks drawn over ``big`` rows, scaled to ``n``-row tables."""
+    return [scatter(r * n // big, n, t).astype(np.int32) for t, r in enumerate(ranks)]
+
+
 def fresh_batches(T: int, n: int, B: int, k: int, seed: int):
     """An endless stream of batches over ``n``-row tables (the warm-up's: made as they are used,
     so a long warm-up keeps no batch in memory and never repeats one)."""
@@ -93,7 +98,7 @@ def fresh_batches(T: int, n: int, B: int, k: int, seed: int):
     dense = rng.standard_normal((B, BOTTOM[0]), dtype=np.float32)
     labels = (rng.random(B) < 0.3).astype(np.float32)
     while True:
-        yield Batch(dense, [scatter(zipf_ranks(n, (B, k), rng), n, t).astype(np.int32) for t in range(T)], labels)
+        yield Batch(dense, table_rows([zipf_ranks(n, (B, k), rng) for _ in range(T)], n, n), labels)
 
 
 def make_batches(nsteps: int, T: int, big: int, small: int, B: int, k: int, seed: int):
@@ -106,10 +111,8 @@ def make_batches(nsteps: int, T: int, big: int, small: int, B: int, k: int, seed
     out_big, out_small = [], []
     for s in range(nsteps):
         ranks = [zipf_ranks(big, (B, k), rng) for _ in range(T)]
-        out_big.append(Batch(dense[s % 4], [scatter(r, big, t).astype(np.int32) for t, r in enumerate(ranks)],
-                             labels[s % 4]))
-        out_small.append(Batch(dense[s % 4], [scatter(r * small // big, small, t).astype(np.int32)
-                                              for t, r in enumerate(ranks)], labels[s % 4]))
+        out_big.append(Batch(dense[s % 4], table_rows(ranks, big, big), labels[s % 4]))
+        out_small.append(Batch(dense[s % 4], table_rows(ranks, small, big), labels[s % 4]))
     return out_big, out_small
 
 
