@@ -778,15 +778,16 @@ SPECS = [(3000, 600, 4), (5000, 512, 8), (800, 200, 4)]  # rows, cache rows, way
 
 
 def trace_tables(m, together: bool, seed: int = 15, reads: str = "mapped",
-                 replacement: str = "lru") -> tuple[list, int]:
-    """Three tables (``reads``, ``replacement``) trained for 9 steps with Adagrad (lookup, prefetch of the next
+                 replacement: str | list[str] = "lru") -> tuple[list, int]:
+    """Three tables (``reads``, ``replacement``: one for all or one each) trained for 9 steps with Adagrad (lookup, prefetch of the next
     batch, update), prefetched ``together`` (one table-batched placement) or one table at a time:
     the state of every table after every step (tags, stamps, dirty bits, counts, contents, the
     accumulator, lfu's counts of use), and for each prefetch how many functions did it and whether each placed every row."""
     rng = np.random.default_rng(seed)
+    reps = [replacement] * len(SPECS) if isinstance(replacement, str) else replacement
     ts = [LRUCachedEmbeddings(rng.standard_normal((r, 16)).astype(np.float32), m, cache_rows=c, ways=w,
-                              staging_rows=2, reads=reads, replacement=replacement, name=f"t{i}")
-          for i, (r, c, w) in enumerate(SPECS)]
+                              staging_rows=2, reads=reads, replacement=rep, name=f"t{i}")
+          for i, ((r, c, w), rep) in enumerate(zip(SPECS, reps))]
     batches = [[zipf_batch(rng, 64, 4, r) for r, _, _ in SPECS] for _ in range(10)]
     opt = E.RowwiseAdagrad(0.1)
     states, runs = [], []
@@ -824,6 +825,8 @@ def test_lfu_places_the_traced_batches_otherwise_than_lru_and_alone_as_together(
     assert_same_traces(lfu, alone)
     lru, _ = trace_tables(host_manager(), True)
     assert any(not np.array_equal(p[0][0], q[0][0]) for p, q in zip(lfu, lru))  # other rows cached
+    mixed, _ = trace_tables(host_manager(), True, replacement=["lfu", "lru", "lfu"])  # one group, both kinds
+    assert_same_traces([[x[0], y[1], x[2]] for x, y in zip(lfu, lru)], mixed)
     assert all(u[-1].min() >= 0 and u[-1].max() > 1 for u in lfu[-1])  # rows used in several batches counted
 
 
@@ -860,6 +863,7 @@ def test_the_table_batched_cuda_kernels_make_the_numpy_forms_decisions():
         staged, _ = trace_tables(gm, True, reads="staged")
         split, _ = trace_tables(gm, True, reads="split")
         lfu_gpu, lfu_runs = trace_tables(gm, True, replacement="lfu")
+        mixed_gpu, _ = trace_tables(gm, True, replacement=["lru", "lfu", "lru"])
     on_cpu, runs_cpu = trace_tables(host_manager(), True)
     assert runs == runs_cpu and (1, [False]) in runs
     assert_same_traces(on_gpu, on_cpu)
@@ -867,7 +871,9 @@ def test_the_table_batched_cuda_kernels_make_the_numpy_forms_decisions():
     assert_same_traces(split, on_cpu)  # some rows read by the GPU, the others gathered on the host
     lfu_cpu, lfu_runs_cpu = trace_tables(host_manager(), True, replacement="lfu")
     assert lfu_runs == lfu_runs_cpu
-    assert_same_traces(lfu_gpu, lfu_cpu)  # counts of use once a batch (atomics), the order of eviction
+    assert_same_traces(lfu_gpu, lfu_cpu)  # counts of use once a batch, the order of eviction
+    mixed_cpu, _ = trace_tables(host_manager(), True, replacement=["lru", "lfu", "lru"])
+    assert_same_traces(mixed_gpu, mixed_cpu)  # lru tables in an lfu group: no counts, their own order
 
 
 @pytest.mark.gpu
