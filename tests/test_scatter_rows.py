@@ -127,3 +127,23 @@ def test_the_thread_count_comes_from_the_environment(monkeypatch, text, want):
         monkeypatch.setenv("CACHEDARRAYS_SCATTER_THREADS", bad)
         with pytest.raises(ValueError, match="CACHEDARRAYS_SCATTER_THREADS must be a positive integer"):
             scatter._threads()
+
+
+def test_a_caller_may_name_the_threads_of_one_move():
+    """``threads`` splits one move over a pool of that size (the benchmark's all-core rates),
+    with the same rows moved as the default pool; fewer than one thread is refused, nothing moved."""
+    rng = np.random.default_rng(3)
+    table = rng.standard_normal((50_000, 16)).astype(np.float32)
+    rows = rng.integers(0, table.shape[0], 4 * scatter.PIECE)
+    block = np.empty((rows.size, 16), np.float32)
+    gather_rows([(table, rows, block)], threads=3)
+    assert np.array_equal(block, table[rows])
+    assert ("gather", 3) in scatter._pools and scatter._pools["gather", 3]._max_workers == 3
+    dst = np.zeros_like(table)
+    uniq = np.unique(rows)
+    scatter_rows([(dst, uniq, table[uniq])], threads=2)
+    assert np.array_equal(dst[uniq], table[uniq]) and np.count_nonzero(dst.any(axis=1)) == uniq.size
+    out = np.zeros((2, 16), np.float32)
+    with pytest.raises(ValueError, match="threads must be at least 1, got 0"):
+        gather_rows([(table, np.arange(2), out)], threads=0)
+    assert not out.any()

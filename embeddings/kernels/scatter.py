@@ -56,7 +56,7 @@ def _threads() -> int:
 THREADS = _threads()
 Job = tuple[np.ndarray, np.ndarray, np.ndarray]
 
-_pools: dict[str, ThreadPoolExecutor] = {}  # "scatter", "gather": one pool each, so neither queues behind the other
+_pools: dict[tuple[str, int], ThreadPoolExecutor] = {}  # per kind and size: a scatter never queues behind a gather
 _later: ThreadPoolExecutor | None = None
 _start = threading.Lock()  # the pools are made on first use, from whichever thread comes first
 
@@ -127,40 +127,43 @@ def _check(jobs: Sequence[Job], into: str) -> None:
             raise IndexError(f"{into} rows outside 0..{table.shape[0] - 1}")
 
 
-def _split_run(kind: str, jobs: Sequence[Job]) -> None:
-    """The ``kind`` (scatter or gather) of every job, split into pieces across :data:`THREADS`
-    threads of the ``kind`` pool; returns when all are done."""
+def _split_run(kind: str, jobs: Sequence[Job], threads: int | None = None) -> None:
+    """The ``kind`` (scatter or gather) of every job, split into pieces across ``threads``
+    (default :data:`THREADS`) threads of a ``kind`` pool of that size; returns when all are done."""
+    threads = THREADS if threads is None else int(threads)
+    if threads < 1:
+        raise ValueError(f"{kind}: threads must be at least 1, got {threads}")
     tasks = []
     for table, rows, block in jobs:
         n = int(rows.size)
-        cuts = np.linspace(0, n, max(1, min(THREADS, n // PIECE)) + 1).astype(np.int64)
+        cuts = np.linspace(0, n, max(1, min(threads, n // PIECE)) + 1).astype(np.int64)
         tasks += [(table, rows[a:b], block[a:b]) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
     if len(tasks) <= 1:
         for t in tasks:
             _piece(kind, *t)
         return
     with _start:
-        if kind not in _pools:
-            _pools[kind] = ThreadPoolExecutor(THREADS, thread_name_prefix=f"cachedarrays-{kind}")
-        pool = _pools[kind]
+        if (kind, threads) not in _pools:
+            _pools[kind, threads] = ThreadPoolExecutor(threads, thread_name_prefix=f"cachedarrays-{kind}")
+        pool = _pools[kind, threads]
     for f in [pool.submit(_piece, kind, *t) for t in tasks]:
         f.result()
 
 
-def scatter_rows(jobs: Sequence[Job]) -> None:
+def scatter_rows(jobs: Sequence[Job], threads: int | None = None) -> None:
     """For each ``(dst, rows, src)``: ``dst[rows[i]] = src[i]`` (as many rows as positions, the
     same row shape and dtype, every position in range: checked for every job before any is
-    written), split across :data:`THREADS` threads; returns when all are done."""
+    written), split across ``threads`` threads (default :data:`THREADS`); returns when all are done."""
     _check(jobs, "scatter")
-    _split_run("scatter", jobs)
+    _split_run("scatter", jobs, threads)
 
 
-def gather_rows(jobs: Sequence[Job]) -> None:
+def gather_rows(jobs: Sequence[Job], threads: int | None = None) -> None:
     """For each ``(table, rows, block)``: ``block[i] = table[rows[i]]`` (checked as for
-    :func:`scatter_rows` before any row moves), split across :data:`THREADS` threads; returns
-    when all are done."""
+    :func:`scatter_rows` before any row moves), split across ``threads`` threads (default
+    :data:`THREADS`); returns when all are done."""
     _check(jobs, "gather")
-    _split_run("gather", jobs)
+    _split_run("gather", jobs, threads)
 
 
 def scatter_later(ready: Callable[[], None], jobs: Callable[[], Sequence[Job]]) -> Future:
