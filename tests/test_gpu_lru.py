@@ -1255,3 +1255,26 @@ def test_the_hit_rate_benchmark_runs_the_placements_decisions_and_lfu_keeps_more
     with pytest.raises(SystemExit):
         CH.main(["--batches", "10", "--warm", "10", "--out", str(out)])
     assert "leaves no batch to count" in capsys.readouterr().err
+
+
+def test_the_host_memory_floor_times_a_steps_rows_and_leaves_the_tables_as_they_were():
+    """``gpu_dlrm.host_floor`` on the reference backend (numpy as the device): every way a
+    placement moves rows is timed, the floor is the best schedule, the check of a read's rows
+    passes, and the scatter of the rows going home writes their own values back."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import gpu_dlrm as GD
+    from embeddings.gpu.backend import ReferenceBackend
+    rng = np.random.default_rng(5)
+    hosts = [rng.standard_normal((20_000, 16)).astype(np.float32) for _ in range(3)]
+    before = [h.copy() for h in hosts]
+    got = GD.host_floor(hosts, 5001, 3000, repeats=1, backend=ReferenceBackend())
+    assert all(np.array_equal(h, b) for h, b in zip(hosts, before))
+    ms, rows = got["ms"], got["rows"]
+    assert len(ms) == 7 and all(v > 0 for v in ms.values())
+    at_once = next(k for k in ms if k.startswith("a step's reads and scatter at once"))
+    best_read = next(v for k, v in ms.items() if k.startswith("GPU and"))
+    all_core_scatter = next(v for k, v in ms.items() if k.startswith("CPU scatter") and "default" not in k)
+    assert rows[at_once] == 8001 and got["rows_in"] == 5001 and got["row_bytes"] == 64
+    assert got["floor_ms"] == pytest.approx(min(ms[at_once], best_read + all_core_scatter))
