@@ -487,3 +487,33 @@ def test_gpu_device_batch_errors_leave_outputs_and_tables_unwritten():
     assert np.array_equal(t.data.get(), W)
     ok = cp.asarray(np.array([[1, 2], [3, 4], [0, 5]], np.int32))
     assert np.array_equal(np.asarray(E.lookup(t, ok)), E.lookup(E.SimpleEmbedding(W), ok.get()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
+def test_pull_and_small_to_host_bring_the_devices_bytes_through_the_mapped_address():
+    """`CudaBackend.pull` (a kernel storing into page-locked memory: words where aligned, else
+    bytes) and `to_host` of small arrays give the device's values, whatever the type, size and
+    layout; a size mismatch is refused before anything is written."""
+    import cupy as cp
+    from embeddings.gpu.backend import cuda_backend
+    be = cuda_backend()
+    rng = np.random.default_rng(1)
+    for x in (rng.integers(-2 ** 40, 2 ** 40, 300_001), rng.integers(0, 9, 7).astype(np.int32),
+              rng.random(13) < 0.5, rng.standard_normal((5, 3)).astype(np.float32), np.zeros(0, np.int64)):
+        d = cp.asarray(x)
+        host = be.bounce(x.shape, x.dtype)
+        be.pull(host, d)
+        be.wait(be.fence())
+        assert np.array_equal(host, x)
+        assert np.array_equal(be.to_host(d[::2]), x[::2])  # small and not contiguous: made contiguous first
+    odd = cp.arange(9, dtype=cp.int8)[1:]  # eight bytes, not on an 8-byte boundary: byte by byte
+    host = be.bounce((8,), np.int8)
+    be.pull(host, odd)
+    be.wait(be.fence())
+    assert host.tolist() == list(range(1, 9))
+    short = be.bounce((3,), np.int64)
+    short[:] = -1
+    with pytest.raises(ValueError, match="pull: 32 contiguous device bytes need as many contiguous host bytes"):
+        be.pull(short, cp.arange(4, dtype=cp.int64))
+    assert short.tolist() == [-1, -1, -1]

@@ -389,8 +389,8 @@ def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
     F = g.tables[0]._W.shape[1]
     m = n - k
     tabs, rows, block = be.bounce((m,), np.int64), be.bounce((m,), np.int64), be.bounce((m, F), np.float32)
-    be.download(tabs, tab[k:n])
-    be.download(rows, hrow[k:n])
+    be.pull(tabs, tab[k:n])  # not behind the rows going home on the copy engine
+    be.pull(rows, hrow[k:n])
     be.wait(be.fence())
     up = be.xp.empty((m, F), np.float32)
     cuts = np.linspace(0, m, max(1, min(READ_PIECES, m // READ_PIECE_ROWS)) + 1).astype(np.int64)
