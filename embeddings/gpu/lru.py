@@ -646,7 +646,7 @@ def _sync_counts(tables: Sequence[LRUCachedEmbeddings]) -> list[bool]:
     """:meth:`LRUCachedEmbeddings._sync_counts` of tables on one backend, with one wait for all."""
     be = tables[0].backend
     for t in tables:
-        be.download(t._mail, t._counts)
+        be.pull(t._mail, t._counts)  # not behind the rows going home on the copy engine
     be.wait(be.fence())
     return [t._account_counts() for t in tables]
 
