@@ -19,7 +19,9 @@ vector copies on 8 and 4.6 ms on 16.
 one, so that both pools together leave half the cores to the training step beside them). On the
 H100 machine's 16 cores, in one process each: the DLRM step with split reads took 19.6-20.0 ms
 with 4 threads a pool and 20.3-21.9 with 8, staged reads 21.4-21.9 and 21.4-23.0, mapped reads
-(the scatter only) 22.3-26.0 and 23.0-25.3.
+(the scatter only) 22.3-26.0 and 23.0-25.3. Beside the training step a gather does not speed up
+with threads: 260,000 rows took 5.4, 5.7 and 6.2 ms on 4, 8 and 12 (alone, 489,000 rows took 7.3
+ms on 4 and 4.8 on 16); a move may name its own count (``threads``), as the benchmarks' floors do.
 """
 
 from __future__ import annotations
