@@ -494,7 +494,8 @@ def test_gpu_device_batch_errors_leave_outputs_and_tables_unwritten():
 def test_pull_and_small_to_host_bring_the_devices_bytes_through_the_mapped_address():
     """`CudaBackend.pull` (a kernel storing into page-locked memory: words where aligned, else
     bytes) and `to_host` of small arrays give the device's values, whatever the type, size and
-    layout; a size mismatch is refused before anything is written."""
+    layout; a size mismatch, or host memory that is not page-locked, is refused before anything
+    is written."""
     import cupy as cp
     from embeddings.gpu.backend import cuda_backend
     be = cuda_backend()
@@ -517,3 +518,8 @@ def test_pull_and_small_to_host_bring_the_devices_bytes_through_the_mapped_addre
     with pytest.raises(ValueError, match="pull: 32 contiguous device bytes need as many contiguous host bytes"):
         be.pull(short, cp.arange(4, dtype=cp.int64))
     assert short.tolist() == [-1, -1, -1]
+    pageable = np.full(4, -1, np.int64)
+    with pytest.raises(ValueError, match="pull: the host array must be page-locked"):
+        be.pull(pageable, cp.arange(4, dtype=cp.int64))
+    assert pageable.tolist() == [-1] * 4
+    assert be.to_host(cp.arange(3)).tolist() == [0, 1, 2]  # the device is still fine

@@ -239,6 +239,9 @@ class CudaBackend:
         if dst.nbytes != nbytes or not dst.flags.c_contiguous or not src.flags.c_contiguous:
             raise ValueError(f"pull: {nbytes} contiguous device bytes need as many contiguous host bytes, got "
                              f"{dst.nbytes} (contiguous: {dst.flags.c_contiguous}, source: {src.flags.c_contiguous})")
+        if not _page_locked(self.xp.cuda.runtime, dst.ctypes.data):
+            raise ValueError("pull: the host array must be page-locked (pinned or bounce), or the kernel's stores "
+                             "would fault the device")
         words = nbytes % 8 == 0 and src.data.ptr % 8 == 0 and dst.ctypes.data % 8 == 0
         n = nbytes // 8 if words else nbytes
         cuda.kernel("pull_u64" if words else "pull_u8")(*cuda.grid_1d(n, most=1024),
