@@ -1257,20 +1257,29 @@ def test_the_hit_rate_benchmark_runs_the_placements_decisions_and_lfu_keeps_more
     assert "leaves no batch to count" in capsys.readouterr().err
 
 
-def test_the_host_memory_floor_times_a_steps_rows_and_leaves_the_tables_as_they_were():
+def test_the_host_memory_floor_times_a_steps_rows_and_leaves_the_tables_as_they_were(monkeypatch):
     """``gpu_dlrm.host_floor`` on the reference backend (numpy as the device): every way a
-    placement moves rows is timed, the floor is the best schedule, the check of a read's rows
-    passes, and the scatter of the rows going home writes their own values back."""
+    placement moves rows is timed, the whole-step schedule scatters beside its gather (on
+    another thread), the floor is the best schedule, the check of a read's rows passes, and the
+    scatter of the rows going home writes their own values back."""
     import sys
+    import threading
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks import gpu_dlrm as GD
     from embeddings.gpu.backend import ReferenceBackend
+    from embeddings.kernels import scatter as SC
+    scattered_on = []
+    real = SC.scatter_rows
+    monkeypatch.setattr(SC, "scatter_rows", lambda jobs, threads=None: scattered_on.append(
+        threading.current_thread()) or real(jobs, threads))
     rng = np.random.default_rng(5)
     hosts = [rng.standard_normal((20_000, 16)).astype(np.float32) for _ in range(3)]
     before = [h.copy() for h in hosts]
     got = GD.host_floor(hosts, 5001, 3000, repeats=1, backend=ReferenceBackend())
     assert all(np.array_equal(h, b) for h, b in zip(hosts, before))
+    beside = [t for t in scattered_on if t is not threading.current_thread()]
+    assert len(beside) == 2 * len(GD.FLOOR_SHARES)  # one untimed and one timed run of each share
     ms, rows = got["ms"], got["rows"]
     assert len(ms) == 7 and all(v > 0 for v in ms.values())
     at_once = next(k for k in ms if k.startswith("a step's reads and scatter at once"))
