@@ -147,3 +147,36 @@ def test_a_caller_may_name_the_threads_of_one_move():
     with pytest.raises(ValueError, match="threads must be at least 1, got 0"):
         gather_rows([(table, np.arange(2), out)], threads=0)
     assert not out.any()
+
+
+@pytest.mark.parametrize("sizes,parts", [([0], 3), ([5], 1), ([100_000, 0, 3, 70_000], 4), ([20_000] * 8, 4),
+                                         ([1, 1, 1], 7), ([], 2)])
+def test_shares_cut_the_jobs_rows_in_order_into_nearly_equal_runs(sizes, parts):
+    rng = np.random.default_rng(len(sizes))
+    table = np.zeros((10, 2), np.float32)
+    jobs = [(table, rng.integers(0, 10, n), np.empty((n, 2), np.float32)) for n in sizes]
+    shares = scatter._shares(jobs, parts)
+    pieces = [p for share in shares for p in share]
+    assert len(shares) <= parts and all(share for share in shares)
+    rows = np.concatenate([r for _, r, _ in pieces]) if pieces else np.zeros(0, np.int64)
+    assert np.array_equal(rows, np.concatenate([r for _, r, _ in jobs]) if jobs else rows)
+    for _, r, b in pieces:  # each slice of rows keeps its own slice of the block
+        assert b.shape[0] == r.size and any(np.shares_memory(b, jb) for _, _, jb in jobs)
+    lengths = [sum(r.size for _, r, _ in share) for share in shares]
+    assert not lengths or max(lengths) - min(lengths) <= 1
+
+
+def test_a_move_of_many_tables_is_one_task_per_thread(monkeypatch):
+    """Each pool task costs the GIL that the training step's thread waits for: a gather of eight
+    tables on four threads is four tasks, not one per table and thread."""
+    rng = np.random.default_rng(8)
+    tables = [rng.standard_normal((50_000, 8)).astype(np.float32) for _ in range(8)]
+    jobs = [(t, rng.integers(0, t.shape[0], 3 * scatter.PIECE), np.empty((3 * scatter.PIECE, 8), np.float32))
+            for t in tables]
+    tasks = []
+    real = scatter._pieces
+    monkeypatch.setattr(scatter, "_pieces", lambda kind, share: (tasks.append(len(share)), real(kind, share)))
+    gather_rows(jobs, threads=4)
+    assert len(tasks) == 4 and sum(tasks) >= 8
+    for t, r, b in jobs:
+        assert np.array_equal(b, t[r])

@@ -129,26 +129,49 @@ def _check(jobs: Sequence[Job], into: str) -> None:
             raise IndexError(f"{into} rows outside 0..{table.shape[0] - 1}")
 
 
+def _shares(jobs: Sequence[Job], parts: int) -> list[list[Job]]:
+    """The jobs' rows, one after the other, cut into ``parts`` runs of nearly equal length, each
+    the list of job slices it covers."""
+    sizes = [int(rows.size) for _, rows, _ in jobs]
+    starts = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+    bounds = np.linspace(0, starts[-1], parts + 1).astype(np.int64)
+    shares = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        share = []
+        for (table, rows, block), s, n in zip(jobs, starts[:-1], sizes):
+            lo, hi = max(int(a), int(s)) - s, min(int(b), int(s) + n) - s
+            if hi > lo:
+                share.append((table, rows[lo:hi], block[lo:hi]))
+        if share:
+            shares.append(share)
+    return shares
+
+
+def _pieces(kind: str, share: Sequence[Job]) -> None:
+    for table, rows, block in share:
+        _piece(kind, table, rows, block)
+
+
 def _split_run(kind: str, jobs: Sequence[Job], threads: int | None = None) -> None:
-    """The ``kind`` (scatter or gather) of every job, split into pieces across ``threads``
-    (default :data:`THREADS`) threads of a ``kind`` pool of that size; returns when all are done."""
+    """The ``kind`` (scatter or gather) of every job, the rows of all of them cut into one
+    share per thread of a ``kind`` pool of ``threads`` threads (default :data:`THREADS`; fewer
+    where a share would be below :data:`PIECE` rows); returns when all are done. One task per
+    thread, not per job and thread: each task costs its thread and the caller some GIL, which
+    the training step's thread waits for (the eight tables of a DLRM step made 128 tasks a read)."""
     threads = THREADS if threads is None else int(threads)
     if threads < 1:
         raise ValueError(f"{kind}: threads must be at least 1, got {threads}")
-    tasks = []
-    for table, rows, block in jobs:
-        n = int(rows.size)
-        cuts = np.linspace(0, n, max(1, min(threads, n // PIECE)) + 1).astype(np.int64)
-        tasks += [(table, rows[a:b], block[a:b]) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
-    if len(tasks) <= 1:
-        for t in tasks:
-            _piece(kind, *t)
+    total = sum(int(rows.size) for _, rows, _ in jobs)
+    shares = _shares(jobs, max(1, min(threads, total // PIECE)))
+    if len(shares) <= 1:
+        for share in shares:
+            _pieces(kind, share)
         return
     with _start:
         if (kind, threads) not in _pools:
             _pools[kind, threads] = ThreadPoolExecutor(threads, thread_name_prefix=f"cachedarrays-{kind}")
         pool = _pools[kind, threads]
-    for f in [pool.submit(_piece, kind, *t) for t in tasks]:
+    for f in [pool.submit(_pieces, kind, share) for share in shares]:
         f.result()
 
 
