@@ -642,8 +642,13 @@ class Ahead(NamedTuple):
     since: int
 
 
-def _sync_counts(tables: Sequence[LRUCachedEmbeddings]) -> list[bool]:
-    """:meth:`LRUCachedEmbeddings._sync_counts` of tables on one backend, with one wait for all."""
+def _sync_counts(tables: Sequence[LRUCachedEmbeddings], g: LG.Group | None = None) -> list[bool]:
+    """:meth:`LRUCachedEmbeddings._sync_counts` of tables on one backend, with one wait for all
+    (the tables of placement group ``g``: their counts read by one launch, :func:`.lru_group.mail`)."""
+    if g is not None:
+        for t, counts in zip(tables, LG.mail(g)):
+            t._mail[:] = counts
+        return [t._account_counts() for t in tables]
     be = tables[0].backend
     for t in tables:
         be.pull(t._mail, t._counts)  # not behind the rows going home on the copy engine
@@ -708,7 +713,7 @@ def _place_work(tables: list[LRUCachedEmbeddings], flats: list[np.ndarray], bloc
             xp = be.xp
             idx = be.upload_blocks(blocks).astype(np.int64, copy=False)  # up as int32 (half the bytes), widened there
             slots = LG.slots(g, LG.place(g, idx, xp))
-            placed = [not left_out for left_out in _sync_counts(tables)]
+            placed = [not left_out for left_out in _sync_counts(tables, g)]
             for i, t in enumerate(tables):
                 with t._ahead_lock:
                     t._ahead.append(Ahead(flats[i], slots[g.span(i)], now[i], placed[i], since[i]))
