@@ -118,6 +118,15 @@ def _piece(kind: str, table: np.ndarray, rows: np.ndarray, block: np.ndarray) ->
         plain(dst, rows, src)
 
 
+@njit(cache=True, nogil=True)
+def _out_of_range(rows, n):  # pragma: no cover - numba only
+    """Whether some entry of ``rows`` is outside ``[0, n)``: one pass, without the GIL."""
+    bad = False
+    for i in range(rows.size):
+        bad |= (rows[i] < 0) | (rows[i] >= n)
+    return bad
+
+
 def _check(jobs: Sequence[Job], into: str) -> None:
     """Refuse jobs whose block, rows and table do not agree (before any row moves)."""
     for table, rows, block in jobs:
@@ -125,23 +134,30 @@ def _check(jobs: Sequence[Job], into: str) -> None:
         if block.shape[0] != n or table.shape[1:] != block.shape[1:] or table.dtype != block.dtype:
             raise ValueError(f"{into} of {block.shape} {block.dtype} rows at {n} positions of {table.shape} "
                              f"{table.dtype}")
-        if n and (int(rows.min()) < 0 or int(rows.max()) >= table.shape[0]):
+        if rows.ndim != 1 or rows.dtype.kind not in "iu":
+            raise TypeError(f"{into} rows must be a 1-d integer array, got {rows.ndim}-d {rows.dtype}")
+        if n and _out_of_range(rows, table.shape[0]):
             raise IndexError(f"{into} rows outside 0..{table.shape[0] - 1}")
 
 
 def _shares(jobs: Sequence[Job], parts: int) -> list[list[Job]]:
     """The jobs' rows, one after the other, cut into ``parts`` runs of nearly equal length, each
-    the list of job slices it covers."""
-    sizes = [int(rows.size) for _, rows, _ in jobs]
-    starts = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
-    bounds = np.linspace(0, starts[-1], parts + 1).astype(np.int64)
-    shares = []
-    for a, b in zip(bounds[:-1], bounds[1:]):
+    the list of job slices it covers (plain integer arithmetic: numpy's fixed costs on arrays of
+    a few entries were most of a move's GIL time)."""
+    total = sum(int(rows.size) for _, rows, _ in jobs)
+    shares, job, start = [], 0, 0  # start: where job ``job`` begins in the run of all rows
+    for p in range(parts):
+        a, b = total * p // parts, total * (p + 1) // parts
         share = []
-        for (table, rows, block), s, n in zip(jobs, starts[:-1], sizes):
-            lo, hi = max(int(a), int(s)) - s, min(int(b), int(s) + n) - s
+        while job < len(jobs) and a < b:
+            table, rows, block = jobs[job]
+            lo, hi = a - start, min(b - start, int(rows.size))
             if hi > lo:
                 share.append((table, rows[lo:hi], block[lo:hi]))
+            a = start + hi
+            if hi == int(rows.size):
+                start += int(rows.size)
+                job += 1
         if share:
             shares.append(share)
     return shares
