@@ -34,7 +34,9 @@ for ``lru``/``lfu`` the two parts that the step runs side by side, timed one aft
 the next batches: placing a batch, and the training step on a placed batch; and what host memory
 allows a step (:func:`host_floor`): a step's rows read and written with nothing else running, by
 CPU threads, by the GPU through mapped addresses and by both, the best schedule tried being the
-floor (the 0.8x target's line says what ratio it leaves). Targets:
+floor (the 0.8x target's line says what ratio it leaves); and what the prefetch thread's Python
+costs (:func:`gil_probe`): its CPU time a step (the tables' ``prefetch_cpu_s``), and the in-HBM
+step with a second thread doing that much pure Python beside it, or as much GIL-free work. Targets:
 hit rate >= 80%; ours >= 0.8x the in-HBM samples/s; ours >= 3x the PyTorch-CPU-tables samples/s.
 
 Part 2, the facebookresearch DLRM reference layout (b) on the GPU: 8 x 1M rows, F=64, 100
@@ -51,6 +53,7 @@ block by 16 threads (values do not matter to the timings). Medians over rounds; 
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import statistics
@@ -301,6 +304,78 @@ def host_floor(hosts: list, rows_in: int, rows_out: int, repeats: int = 5, backe
             "floor_ms": floor}
 
 
+def python_work(ms: float) -> None:
+    """``ms`` ms of this thread's CPU time in the interpreter: the GIL held throughout."""
+    end = time.thread_time() + ms / 1e3
+    x = 0
+    while time.thread_time() < end:
+        for i in range(200):
+            x += i
+
+
+_BLOCK = b"\0" * (1 << 20)
+
+
+def gil_free_work(ms: float) -> None:
+    """``ms`` ms of this thread's CPU time hashing megabyte blocks, which releases the GIL."""
+    end = time.thread_time() + ms / 1e3
+    while time.thread_time() < end:
+        hashlib.sha256(_BLOCK).digest()
+
+
+def gil_probe(step, ms: list[float], per: int = 20, nrounds: int = 3) -> dict:
+    """What a second thread's work costs a training step (``step(j)``, run ``per`` times a
+    configuration and round, rounds alternating): the step alone, then with another thread
+    starting ``w`` ms of work at each step's start, for each ``w`` in ``ms``, once as pure Python
+    (:func:`python_work`, which holds the GIL) and once as hashing (:func:`gil_free_work`, the
+    same CPU time without it). A step that slows by about ``w`` under Python only is bound by
+    the GIL: a prefetch thread's Python is then the step's too. Medians of the rounds' medians
+    (ms a step), and how often the side work ran."""
+    import threading
+    go, done = threading.Event(), threading.Event()
+    job: list = [None, 0.0]
+    runs = {"n": 0}
+
+    def side() -> None:
+        while True:
+            go.wait()
+            go.clear()
+            work, w = job
+            if work is None:
+                return
+            work(w)
+            runs["n"] += 1
+            done.set()
+    thread = threading.Thread(target=side, name="gil-probe", daemon=True)
+    thread.start()
+    configs = [("alone", None, 0.0)] + [(f"{kind} {w:.2f}", work, w) for w in ms
+                                        for kind, work in (("python", python_work), ("gil-free", gil_free_work))]
+    got: dict = {name: [] for name, _, _ in configs}
+    j = 0
+    try:
+        for r in range(nrounds):
+            for name, work, w in (configs if r % 2 == 0 else configs[::-1]):
+                times = []
+                for _ in range(per):
+                    t0 = time.perf_counter()
+                    if work is not None:
+                        job[:] = [work, w]
+                        done.clear()
+                        go.set()
+                    step(j)
+                    times.append(time.perf_counter() - t0)
+                    j += 1
+                    if work is not None:
+                        done.wait()
+                got[name].append(1e3 * statistics.median(times))
+    finally:
+        job[:] = [None, 0.0]
+        go.set()
+        thread.join()
+    return {"ms": list(ms), "step_ms": {k: statistics.median(v) for k, v in got.items()}, "side_runs": runs["n"],
+            "steps": j}
+
+
 def per_step(timer) -> dict:
     """A trainer's phase timer as ms per step (a step has one lookup phase)."""
     return {p: 1e3 * v / max(1, timer.counts.get("lookup", 0)) for p, v in timer.table().items() if v}
@@ -512,6 +587,7 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
     res["hit_rate"] = float(np.mean(rates))
     res["hit_rate_per_table"] = rates
     res["prefetch_fallbacks"] = sum(t.telemetry().get("prefetch_fallbacks", 0) for t in ours.tables)
+    res["prefetch_cpu_ms_per_step"] = 1e3 * sum(t.telemetry().get("prefetch_cpu_s", 0.0) for t in ours.tables) / steps
     tel = m.telemetry()
     moved = {k_: int(v) for k_, v in tel.get("bytes_moved", {}).items()}
     res["bytes_moved_per_batch"] = {k_: v / steps for k_, v in moved.items()}
@@ -534,6 +610,9 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
         ours.train_step(big_b[j % nsteps], None)  # takes the batch the last timed step prefetched
         reads = {"ours": "split", "ours, mapped reads": "mapped", "ours, staged reads": "staged"}[best]
         res["apart"] = apart(ours, [big_b[(j + 1 + i) % nsteps] for i in range(ALONE)], reads)
+    cpu_ms = res["prefetch_cpu_ms_per_step"]
+    if cpu_ms > 0:
+        res["gil"] = gil_probe(contenders["in HBM"][0], [cpu_ms / 2, cpu_ms])
     pairs = res["bytes_moved_per_batch"]
     res["host_floor"] = host_floor([np.asarray(v.array) for v in views], round(pairs.get("DRAM->GPU", 0) / (F * 4)),
                                    round(pairs.get("GPU->DRAM", 0) / (F * 4)))
@@ -578,6 +657,16 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
         print(f"  {best}, the two parts one after the other (medians of {ALONE}): placing a batch {a['placement_ms']:.1f} ms, "
               f"the training step on a placed batch {a['step_ms']:.1f} ms (in HBM: {hbm_ms:.1f} ms); "
               f"side by side: {1e3 * B / sps[best]:.1f} ms")
+    if "gil" in res:
+        gl = res["gil"]
+        alone = gl["step_ms"]["alone"]
+        print_table(f"Part 1: the in-HBM step with a second thread's work beside it (medians of 3 rounds of 20 steps; "
+                    f"ours' prefetch thread took {cpu_ms:.2f} ms of CPU a step, which bounds the GIL it held)",
+                    ["work beside each step", "ms/step", "+ ms"],
+                    [[name, v, v - alone] for name, v in gl["step_ms"].items()])
+        print(f"  Python holding the GIL for the prefetch thread's CPU time makes the in-HBM step "
+              f"{gl['step_ms'][f'python {cpu_ms:.2f}']:.2f} ms (the same CPU without the GIL: "
+              f"{gl['step_ms'][f'gil-free {cpu_ms:.2f}']:.2f}); ours: {1e3 * B / sps[best]:.2f} ms")
     print("  in HBM, wall time per step by phase: "
           + ", ".join(f"{p_} {v:.1f} ms" for p_, v in res["in_hbm_phases_ms_per_step"].items()))
     del th, tbs, contenders, hbm, ours, tables

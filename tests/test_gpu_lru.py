@@ -971,6 +971,10 @@ def test_rows_sent_home_in_the_background_land_before_anything_reads_them(monkey
             r.pullback(g, idx, optimizer=E.SGD(0.1))
         prefetcher.finish(pending)
     assert sum(scattered) > 50  # many rows went home through the background scatter
+    cpu = [t.telemetry()["prefetch_cpu_s"] for t in ts]
+    assert all(c > 0 for c in cpu) and cpu[0] == cpu[1]  # one placement of both tables, its CPU shared
+    ts[0].reset_counters()
+    assert ts[0].telemetry()["prefetch_cpu_s"] == 0 and ts[1].telemetry()["prefetch_cpu_s"] == cpu[1]
     for t, r in zip(ts, refs):
         t.close()
         assert np.array_equal(base_rows(t), r.W)
@@ -1287,3 +1291,25 @@ def test_the_host_memory_floor_times_a_steps_rows_and_leaves_the_tables_as_they_
     all_core_scatter = next(v for k, v in ms.items() if k.startswith("CPU scatter") and "default" not in k)
     assert rows[at_once] == 8001 and got["rows_in"] == 5001 and got["row_bytes"] == 64
     assert got["floor_ms"] == pytest.approx(min(ms[at_once], best_read + all_core_scatter))
+
+
+def test_the_gil_probe_runs_each_side_work_beside_every_step_and_stops_its_thread():
+    """``gpu_dlrm.gil_probe``: every configuration is timed, the side thread does its work once
+    per step it is asked to (and the work is as long in CPU time as asked), and the thread has
+    ended when the probe returns."""
+    import sys
+    import threading
+    import time
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import gpu_dlrm as GD
+    steps = []
+    got = GD.gil_probe(lambda j: steps.append(j), [0.5, 1.0], per=3, nrounds=2)
+    assert got["steps"] == len(steps) == 2 * 5 * 3 and steps == list(range(len(steps)))
+    assert got["side_runs"] == 2 * 4 * 3  # every step but the lone ones
+    assert set(got["step_ms"]) == {"alone", "python 0.50", "gil-free 0.50", "python 1.00", "gil-free 1.00"}
+    assert not any(t.name == "gil-probe" for t in threading.enumerate())
+    for work in (GD.python_work, GD.gil_free_work):
+        c0 = time.thread_time()
+        work(2.0)
+        assert time.thread_time() - c0 >= 2e-3

@@ -44,6 +44,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 import collections
 import threading
+import time
 import warnings
 import weakref
 from concurrent.futures import Future
@@ -156,6 +157,9 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         self._generation = 0  # changes whenever a resolved slot may stop holding its row
         self.rows_written_back = 0
         self.prefetch_fallbacks = 0  # prefetched batches whose lookup had to place them itself
+        # CPU seconds of this table's share of its placements on the prefetch thread: on a GPU, mostly
+        # Python holding the GIL, which the training step's thread then waits for
+        self.prefetch_cpu_s = 0.0
         self._fallbacks_in_a_row = 0
         self._hstate_dev = None  # the optimizer's host accumulator as the device sees it
 
@@ -587,13 +591,14 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
     def telemetry(self) -> dict:
         hits, misses, admitted = (int(c) for c in self.counts)
         return self._traffic(hits, misses, admitted, sets=self.sets, ways=self.ways,
-                             prefetch_fallbacks=self.prefetch_fallbacks)
+                             prefetch_fallbacks=self.prefetch_fallbacks, prefetch_cpu_s=self.prefetch_cpu_s)
 
     def reset_counters(self) -> None:
         self._join()
         self._counts.fill(0)
         self._seen[:] = 0
         self.prefetch_fallbacks = 0
+        self.prefetch_cpu_s = 0.0
 
     def check(self) -> None:
         """Every tag a row of the table, in its own set, at most once; dirty bits and stamps
@@ -704,6 +709,7 @@ def _place_work(tables: list[LRUCachedEmbeddings], flats: list[np.ndarray], bloc
 
     def work() -> bool:
         be = tables[0].backend
+        cpu = time.thread_time()
         try:
             now = []
             for t in tables:
@@ -720,6 +726,9 @@ def _place_work(tables: list[LRUCachedEmbeddings], flats: list[np.ndarray], bloc
             return all(placed)
         finally:
             be.sync()  # this thread's stream: every write of the prefetch has landed
+            cpu = (time.thread_time() - cpu) / len(tables)
+            for t in tables:
+                t.prefetch_cpu_s += cpu
             for ev in events:
                 ev.set()
     work.after = after if relaxed else None
