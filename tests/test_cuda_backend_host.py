@@ -73,3 +73,18 @@ def test_bounce_blocks_are_held_until_their_copy_is_done(backend):
         e.done = True
     backend.asarray(np.arange(2))
     assert len(backend._local.held) == 1  # the finished ones went back to the pool
+
+
+def test_upload_blocks_copies_adjacent_blocks_at_once_and_others_each(backend, monkeypatch):
+    """Slices that follow each other in host memory go up in one copy, others one by one; the
+    device array is the blocks one after the other either way."""
+    copies = []
+    real = backend.xp.cuda.runtime.memcpyAsync
+    monkeypatch.setattr(backend.xp.cuda.runtime, "memcpyAsync",
+                        lambda d, s, n, kind, stream: copies.append(n) or real(d, s, n, kind, stream))
+    whole = np.arange(30, dtype=np.int32)
+    other = np.arange(100, 107, dtype=np.int32)
+    blocks = [whole[0:10], whole[10:10], whole[10:25], other, whole[25:30]]
+    got = backend.upload_blocks(blocks)
+    assert np.array_equal(got.get(), np.concatenate(blocks))
+    assert copies == [100, 28, 20]  # 10 + 15 entries at once (the empty one between), then each apart

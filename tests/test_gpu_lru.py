@@ -1313,3 +1313,17 @@ def test_the_gil_probe_runs_each_side_work_beside_every_step_and_stops_its_threa
         c0 = time.thread_time()
         work(2.0)
         assert time.thread_time() - c0 >= 2e-3
+
+
+def test_the_batches_of_a_prefetch_are_slices_of_one_block_in_table_order():
+    """``prefetch_works`` copies each table's batch into the next slice of one page-locked block
+    (of the type its rows fit), so a placement group's batches go up in one copy."""
+    import embeddings.gpu.lru as LRU
+    rng, m, ts, refs, batches = two_tables(14, cache_rows=24, ways=4)
+    flats = [np.arange(5), np.arange(7) + 3]
+    blocks = LRU._index_blocks(ts, flats)
+    assert [b.size for b in blocks] == [5, 7] and all(b.dtype == np.int32 for b in blocks)
+    assert blocks[1].ctypes.data == blocks[0].ctypes.data + blocks[0].nbytes  # adjacent: one copy
+    for t in ts:
+        t.close()
+    m.check()

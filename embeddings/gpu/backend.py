@@ -290,13 +290,24 @@ class CudaBackend:
 
     def upload_blocks(self, blocks: list[np.ndarray]) -> Any:
         """Page-locked host ``blocks`` (of one type) one after the other as one device array,
-        copied up without waiting: the caller keeps them until a later :meth:`fence` is passed."""
-        dst = self.xp.empty(sum(int(b.size) for b in blocks), blocks[0].dtype)
-        at = 0
+        copied up without waiting: the caller keeps them until a later :meth:`fence` is passed.
+        Blocks that follow each other in host memory (slices of one allocation) go up in one copy."""
+        cp = self.xp
+        rt = cp.cuda.runtime
+        dst = cp.empty(sum(int(b.size) for b in blocks), blocks[0].dtype)
+        stream = cp.cuda.get_current_stream().ptr
+        at, run = 0, None  # run: [device address, host address, bytes] of adjacent blocks not yet copied
         for b in blocks:
             if b.size:
-                self.upload(dst[at:at + b.size], b)
+                if run is not None and run[1] + run[2] == b.ctypes.data:
+                    run[2] += b.nbytes
+                else:
+                    if run is not None:
+                        rt.memcpyAsync(*run, rt.memcpyHostToDevice, stream)
+                    run = [dst.data.ptr + at * dst.itemsize, b.ctypes.data, b.nbytes]
             at += b.size
+        if run is not None:
+            rt.memcpyAsync(*run, rt.memcpyHostToDevice, stream)
         return dst
 
     def _upload_copy(self, x: np.ndarray, dtype: Any) -> Any:

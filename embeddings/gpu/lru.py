@@ -266,8 +266,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         table's batch is checked and copied in one parallel pass, one wake-up of the threads."""
         flats = [t.validate(idx, None, None, None, known_valid=True).indices  # the range is checked below
                  for t, idx in zip(tables, indices)]
-        blocks = [t.backend.bounce((f.size,), np.int32 if t.nvectors() < 2 ** 31 else np.int64)
-                  for t, f in zip(tables, flats)]
+        blocks = _index_blocks(tables, flats)
         bad = copy_checked_each(flats, [t.nvectors() for t in tables], blocks)
         for t, idx, first in zip(tables, indices, bad):
             if first >= 0:
@@ -659,6 +658,23 @@ def _sync_counts(tables: Sequence[LRUCachedEmbeddings], g: LG.Group | None = Non
         be.pull(t._mail, t._counts)  # not behind the rows going home on the copy engine
     be.wait(be.fence())
     return [t._account_counts() for t in tables]
+
+
+def _index_blocks(tables: Sequence[LRUCachedEmbeddings], flats: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Page-locked blocks for the tables' batches, of the type their rows fit (int32 below 2**31
+    rows): one allocation per kind of backend and type, each table's block the next slice of it,
+    so that a placement group's batches go up in one copy (:meth:`~.backend.CudaBackend.upload_blocks`)."""
+    kinds: dict = {}
+    for i, t in enumerate(tables):
+        kinds.setdefault((type(t.backend), np.int32 if t.nvectors() < 2 ** 31 else np.int64), []).append(i)
+    blocks: list = [None] * len(tables)
+    for (_, dtype), ids in kinds.items():
+        whole = tables[ids[0]].backend.bounce((sum(int(flats[i].size) for i in ids),), dtype)
+        at = 0
+        for i in ids:
+            blocks[i] = whole[at:at + flats[i].size]
+            at += flats[i].size
+    return blocks
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
