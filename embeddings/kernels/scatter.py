@@ -173,7 +173,7 @@ def _split_run(kind: str, jobs: Sequence[Job], threads: int | None = None) -> No
     share per thread of a ``kind`` pool of ``threads`` threads (default :data:`THREADS`; fewer
     where a share would be below :data:`PIECE` rows); returns when all are done. One task per
     thread, not per job and thread: each task costs its thread and the caller some GIL, which
-    the training step's thread waits for (the eight tables of a DLRM step made 128 tasks a read)."""
+    a training step's thread beside the move waits for."""
     threads = THREADS if threads is None else int(threads)
     if threads < 1:
         raise ValueError(f"{kind}: threads must be at least 1, got {threads}")
