@@ -195,7 +195,8 @@ extern "C" __global__ void tb_settle(const i64* row, const i64* victim, const i6
 
 # a staged read gathers in this many pieces, each copied up as soon as it is gathered; each piece
 # costs the prefetch thread Python, which the training step waits for (the GIL): in one process on
-# the H100 a DLRM step took 14.5 ms with 2 pieces, 14.9 with 1, 15.9 with 3 and 16.7 with 4
+# the H100 a DLRM step took 16.7 ms with 4 pieces and 15.2 with 2; in another, 14.5 with 2, 14.9
+# with 1 and 15.9 with 3
 READ_PIECES = 2
 READ_PIECE_ROWS = 16384  # rows a piece has at least
 
