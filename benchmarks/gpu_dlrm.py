@@ -330,7 +330,8 @@ def gil_probe(step, ms: list[float], per: int = 20, nrounds: int = 3) -> dict:
     (:func:`python_work`, which holds the GIL) and once as hashing (:func:`gil_free_work`, the
     same CPU time without it). A step that slows by about ``w`` under Python only is bound by
     the GIL: a prefetch thread's Python is then the step's too. Medians of the rounds' medians
-    (ms a step), and how often the side work ran."""
+    (ms a step): ``alone``, and ``python`` and ``gil_free`` for each ``w``; and how often the
+    side work ran."""
     import threading
     go, done = threading.Event(), threading.Event()
     job: list = [None, 0.0]
@@ -348,13 +349,13 @@ def gil_probe(step, ms: list[float], per: int = 20, nrounds: int = 3) -> dict:
             done.set()
     thread = threading.Thread(target=side, name="gil-probe", daemon=True)
     thread.start()
-    configs = [("alone", None, 0.0)] + [(f"{kind} {w:.2f}", work, w) for w in ms
-                                        for kind, work in (("python", python_work), ("gil-free", gil_free_work))]
-    got: dict = {name: [] for name, _, _ in configs}
+    configs = [("alone", None, 0.0)] + [(kind, work, w) for w in ms
+                                        for kind, work in (("python", python_work), ("gil_free", gil_free_work))]
+    got: dict = {(kind, w): [] for kind, _, w in configs}
     j = 0
     try:
         for r in range(nrounds):
-            for name, work, w in (configs if r % 2 == 0 else configs[::-1]):
+            for kind, work, w in (configs if r % 2 == 0 else configs[::-1]):
                 times = []
                 for _ in range(per):
                     t0 = time.perf_counter()
@@ -367,13 +368,15 @@ def gil_probe(step, ms: list[float], per: int = 20, nrounds: int = 3) -> dict:
                     j += 1
                     if work is not None:
                         done.wait()
-                got[name].append(1e3 * statistics.median(times))
+                got[kind, w].append(1e3 * statistics.median(times))
     finally:
         job[:] = [None, 0.0]
         go.set()
         thread.join()
-    return {"ms": list(ms), "step_ms": {k: statistics.median(v) for k, v in got.items()}, "side_runs": runs["n"],
-            "steps": j}
+    step_ms = {key: statistics.median(v) for key, v in got.items()}
+    return {"ms": list(ms), "alone": step_ms["alone", 0.0], "python": [step_ms["python", w] for w in ms],
+            "gil_free": [step_ms["gil_free", w] for w in ms], "per": per, "rounds": nrounds,
+            "side_runs": runs["n"], "steps": j}
 
 
 def per_step(timer) -> dict:
@@ -659,14 +662,17 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
               f"side by side: {1e3 * B / sps[best]:.1f} ms")
     if "gil" in res:
         gl = res["gil"]
-        alone = gl["step_ms"]["alone"]
-        print_table(f"Part 1: the in-HBM step with a second thread's work beside it (medians of 3 rounds of 20 steps; "
-                    f"ours' prefetch thread took {cpu_ms:.2f} ms of CPU a step, which bounds the GIL it held)",
-                    ["work beside each step", "ms/step", "+ ms"],
-                    [[name, v, v - alone] for name, v in gl["step_ms"].items()])
+        alone = gl["alone"]
+        table = [["nothing", alone, 0.0]]
+        for w, py, free in zip(gl["ms"], gl["python"], gl["gil_free"]):
+            table += [[f"{w:.2f} ms of Python (holds the GIL)", py, py - alone],
+                      [f"{w:.2f} ms of hashing (releases it)", free, free - alone]]
+        print_table(f"Part 1: the in-HBM step with a second thread's work beside it (medians of {gl['rounds']} rounds "
+                    f"of {gl['per']} steps; ours' prefetch thread took {cpu_ms:.2f} ms of CPU a step, which bounds "
+                    f"the GIL it held)", ["work beside each step", "ms/step", "+ ms"], table)
         print(f"  Python holding the GIL for the prefetch thread's CPU time makes the in-HBM step "
-              f"{gl['step_ms'][f'python {cpu_ms:.2f}']:.2f} ms (the same CPU without the GIL: "
-              f"{gl['step_ms'][f'gil-free {cpu_ms:.2f}']:.2f}); ours: {1e3 * B / sps[best]:.2f} ms")
+              f"{gl['python'][-1]:.2f} ms (the same CPU without the GIL: {gl['gil_free'][-1]:.2f}); "
+              f"ours: {1e3 * B / sps[best]:.2f} ms")
     print("  in HBM, wall time per step by phase: "
           + ", ".join(f"{p_} {v:.1f} ms" for p_, v in res["in_hbm_phases_ms_per_step"].items()))
     del th, tbs, contenders, hbm, ours, tables

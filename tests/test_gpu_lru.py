@@ -1307,7 +1307,8 @@ def test_the_gil_probe_runs_each_side_work_beside_every_step_and_stops_its_threa
     got = GD.gil_probe(lambda j: steps.append(j), [0.5, 1.0], per=3, nrounds=2)
     assert got["steps"] == len(steps) == 2 * 5 * 3 and steps == list(range(len(steps)))
     assert got["side_runs"] == 2 * 4 * 3  # every step but the lone ones
-    assert set(got["step_ms"]) == {"alone", "python 0.50", "gil-free 0.50", "python 1.00", "gil-free 1.00"}
+    assert len(got["python"]) == len(got["gil_free"]) == 2 and got["alone"] > 0
+    assert (got["per"], got["rounds"]) == (3, 2)
     assert not any(t.name == "gil-probe" for t in threading.enumerate())
     for work in (GD.python_work, GD.gil_free_work):
         c0 = time.thread_time()

@@ -66,7 +66,8 @@ def test_bad_input_is_refused_before_anything_is_written():
         scatter_rows([ok, (dst, np.array([1, 2]), np.ones((2, 3), np.float32))])
     with pytest.raises(TypeError, match="1-d integer array, got 1-d float64"):
         scatter_rows([ok, (dst, np.array([1.0, 2.0]), np.ones((2, 4), np.float32))])
-    for rows in (np.array([9, 0], np.int32), np.array([9, 10], np.uint32)):  # every integer type is range-checked
+    for rows in (np.array([9, 0], np.int32), np.array([9, 10], np.uint32),  # every integer type is range-checked
+                 np.array([9, 12, 0, -1])[::2], np.array([9, 0, 10, 1])[::2]):  # and strided rows
         with pytest.raises(IndexError, match="outside 0..9") if rows.max() > 9 else contextlib.nullcontext():
             gather_rows([(dst, rows, np.empty((2, 4), np.float32))])
     assert not dst.any()

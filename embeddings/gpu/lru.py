@@ -140,8 +140,6 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         xp = self.backend.xp
         # on the device: hits, misses, rows admitted, evictions written back, the last placement left a row out
         self._counts = xp.zeros(5, np.int64)
-        self._mail = self.backend.pinned((5,), np.int64)  # their copy on the host (:meth:`_sync_counts`)
-        self._mail[:] = 0
         self._seen = np.zeros(2, np.int64)  # admitted, written back as last accounted
         self._clock = 0  # stamps given out so far
         self._inflight_stamp = 0  # the stamp of the batch resolved last (its ways are locked for a prefetch)
@@ -368,19 +366,15 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         g = LG.Group([self], [n], [self._clock], [self._clock if lock is None else min(lock, self._clock)])
         p = LG.place(g, idx, xp, count)
         self._generation += 1
-        if self._sync_counts():
+        if _sync_counts(g)[0]:
             rest = xp.flatnonzero(p.first & (p.victim < 0))
             p.victim[rest] = self._nslots + self._stage(p.row[rest])
         return LG.slots(g, p)
 
-    def _sync_counts(self) -> bool:
-        """Wait for the last placement's counts (rows admitted, written back, whether a row was
-        left out), account its moves to the manager and say whether some row found no way."""
-        return _sync_counts([self])[0]
-
-    def _account_counts(self) -> bool:
-        """:meth:`_sync_counts` once the counts are in :attr:`_mail`."""
-        seen = np.array(self._mail[2:4])
+    def _account_counts(self, counts: np.ndarray) -> bool:
+        """Account the moves of the last placement to the manager from the table's ``counts``
+        as read on the host (:func:`_sync_counts`); whether it left a row out (found no way)."""
+        seen = np.array(counts[2:4])
         admitted, back = (int(d) for d in seen - self._seen)
         self._seen = seen
         self.rows_written_back += back
@@ -389,7 +383,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
             m.account(m.fast, m.slow, back * self._rowbytes, 0.0)
         if admitted:
             m.account(m.slow, m.fast, admitted * self._rowbytes, 0.0)
-        return bool(self._mail[4])
+        return bool(counts[4])
 
     def _homes(self, rows: bool = True, state: bool = True) -> list[tuple[Any, Any]]:
         """(device array, its home as the device sees it) for the rows (when ``rows``) and
@@ -646,18 +640,11 @@ class Ahead(NamedTuple):
     since: int
 
 
-def _sync_counts(tables: Sequence[LRUCachedEmbeddings], g: LG.Group | None = None) -> list[bool]:
-    """:meth:`LRUCachedEmbeddings._sync_counts` of tables on one backend, with one wait for all
-    (the tables of placement group ``g``: their counts read by one launch, :func:`.lru_group.mail`)."""
-    if g is not None:
-        for t, counts in zip(tables, LG.mail(g)):
-            t._mail[:] = counts
-        return [t._account_counts() for t in tables]
-    be = tables[0].backend
-    for t in tables:
-        be.pull(t._mail, t._counts)  # not behind the rows going home on the copy engine
-    be.wait(be.fence())
-    return [t._account_counts() for t in tables]
+def _sync_counts(g: LG.Group) -> list[bool]:
+    """Wait for the counts of placement group ``g``'s tables (rows admitted, written back,
+    whether a row was left out: one launch and one wait for all, :func:`.lru_group.mail`),
+    account their moves to the manager and say, per table, whether some row found no way."""
+    return [t._account_counts(counts) for t, counts in zip(g.tables, LG.mail(g))]
 
 
 def _index_blocks(tables: Sequence[LRUCachedEmbeddings], flats: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -735,7 +722,7 @@ def _place_work(tables: list[LRUCachedEmbeddings], flats: list[np.ndarray], bloc
             xp = be.xp
             idx = be.upload_blocks(blocks).astype(np.int64, copy=False)  # up as int32 (half the bytes), widened there
             slots = LG.slots(g, LG.place(g, idx, xp))
-            placed = [not left_out for left_out in _sync_counts(tables, g)]
+            placed = [not left_out for left_out in _sync_counts(g)]
             for i, t in enumerate(tables):
                 with t._ahead_lock:
                     t._ahead.append(Ahead(flats[i], slots[g.span(i)], now[i], placed[i], since[i]))

@@ -34,6 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 from numba import njit
 
+from .checks import first_out_of_range_serial
 from .intrinsics import store_fence
 from ..aligned import rows_on_lines
 from .rowaccess import out_ptr, spec_for, uidx
@@ -118,15 +119,6 @@ def _piece(kind: str, table: np.ndarray, rows: np.ndarray, block: np.ndarray) ->
         plain(dst, rows, src)
 
 
-@njit(cache=True, nogil=True)
-def _out_of_range(rows, n):  # pragma: no cover - numba only
-    """Whether some entry of ``rows`` is outside ``[0, n)``: one pass, without the GIL."""
-    bad = False
-    for i in range(rows.size):
-        bad |= (rows[i] < 0) | (rows[i] >= n)
-    return bad
-
-
 def _check(jobs: Sequence[Job], into: str) -> None:
     """Refuse jobs whose block, rows and table do not agree (before any row moves)."""
     for table, rows, block in jobs:
@@ -136,7 +128,7 @@ def _check(jobs: Sequence[Job], into: str) -> None:
                              f"{table.dtype}")
         if rows.ndim != 1 or rows.dtype.kind not in "iu":
             raise TypeError(f"{into} rows must be a 1-d integer array, got {rows.ndim}-d {rows.dtype}")
-        if n and _out_of_range(rows, table.shape[0]):
+        if n and first_out_of_range_serial(np.ascontiguousarray(rows), table.shape[0]) >= 0:  # without the GIL
             raise IndexError(f"{into} rows outside 0..{table.shape[0] - 1}")
 
 
