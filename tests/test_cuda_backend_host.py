@@ -88,3 +88,18 @@ def test_upload_blocks_copies_adjacent_blocks_at_once_and_others_each(backend, m
     got = backend.upload_blocks(blocks)
     assert np.array_equal(got.get(), np.concatenate(blocks))
     assert copies == [100, 28, 20]  # 10 + 15 entries at once (the empty one between), then each apart
+
+
+def test_upload_blocks_into_a_given_array_fills_it_and_refuses_one_of_another_size_or_type(backend):
+    """A captured placement uploads its batch into a buffer that stays where it is."""
+    from embeddings.gpu.backend import ReferenceBackend
+    blocks = [np.arange(4, dtype=np.int32), np.arange(10, 13, dtype=np.int32)]
+    for be, empty in ((backend, backend.xp.empty), (ReferenceBackend(), np.empty)):
+        out = empty(7, np.int32)
+        assert be.upload_blocks(blocks, out=out) is out
+        assert np.array_equal(np.asarray(out), np.concatenate(blocks))
+        for bad in (empty(6, np.int32), empty(7, np.int64)):
+            before = np.array(bad)
+            with pytest.raises(ValueError, match="7 elements of int32"):
+                be.upload_blocks(blocks, out=bad)
+            assert np.array_equal(np.asarray(bad), before)  # nothing written

@@ -91,8 +91,11 @@ class ReferenceBackend:
 
     pull = download
 
-    def upload_blocks(self, blocks: list[np.ndarray]) -> np.ndarray:
-        return np.concatenate(blocks)
+    def upload_blocks(self, blocks: list[np.ndarray], out: np.ndarray | None = None) -> np.ndarray:
+        dst = _blocks_out(np, blocks, out)
+        if dst.size:
+            np.concatenate(blocks, out=dst)
+        return dst
 
     def aside(self, lane: int = 0) -> Any:
         return contextlib.nullcontext()
@@ -288,13 +291,14 @@ class CudaBackend:
         rt.memcpyAsync(dst.data.ptr, src.ctypes.data, src.nbytes, rt.memcpyHostToDevice,
                        cp.cuda.get_current_stream().ptr)
 
-    def upload_blocks(self, blocks: list[np.ndarray]) -> Any:
-        """Page-locked host ``blocks`` (of one type) one after the other as one device array,
-        copied up without waiting: the caller keeps them until a later :meth:`fence` is passed.
-        Blocks that follow each other in host memory (slices of one allocation) go up in one copy."""
+    def upload_blocks(self, blocks: list[np.ndarray], out: Any = None) -> Any:
+        """Page-locked host ``blocks`` (of one type) one after the other as one device array (into
+        ``out`` when given), copied up without waiting: the caller keeps them until a later
+        :meth:`fence` is passed. Blocks that follow each other in host memory (slices of one
+        allocation) go up in one copy."""
         cp = self.xp
         rt = cp.cuda.runtime
-        dst = cp.empty(sum(int(b.size) for b in blocks), blocks[0].dtype)
+        dst = _blocks_out(cp, blocks, out)
         stream = cp.cuda.get_current_stream().ptr
         at, run = 0, None  # run: [device address, host address, bytes] of adjacent blocks not yet copied
         for b in blocks:
@@ -519,6 +523,18 @@ class CudaBackend:
             (-(-L // rows),), (g, rows),
             (W, np.int32(FT), np.int32(F), cuda.ptr(state), grad, gstride, plan.srow, plan.perm, np.int64(L), C)
             + common + step)
+
+
+def _blocks_out(xp: Any, blocks: list[np.ndarray], out: Any) -> Any:
+    """Where :meth:`CudaBackend.upload_blocks` puts ``blocks``: ``out`` (checked: as many elements
+    of their type, contiguous) or a new array."""
+    n = sum(int(b.size) for b in blocks)
+    if out is None:
+        return xp.empty(n, blocks[0].dtype)
+    if out.dtype != blocks[0].dtype or out.size != n or not out.flags.c_contiguous:
+        raise ValueError(f"upload_blocks: {n} elements of {blocks[0].dtype} need as many in a contiguous output, got "
+                         f"{out.size} of {out.dtype} (contiguous: {out.flags.c_contiguous})")
+    return out
 
 
 def _page_locked(rt: Any, ptr: int) -> bool:

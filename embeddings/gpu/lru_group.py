@@ -170,6 +170,19 @@ extern "C" __global__ void NAME(const i64* slot, const i64* tab, i64 n, int FT, 
 TB_PUT(tb_put_v4, float4)
 TB_PUT(tb_put_v1, float)
 
+/* dst[i] = src[i] below min(*count, n) (n when count is null), into page-locked host memory
+   through its mapped address */
+extern "C" __global__ void tb_pull(const i64* src, const i64* count, i64 n, i64* dst) {
+    i64 m = count && *count < n ? *count : n;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < m; i += (i64)gridDim.x * blockDim.x) dst[i] = src[i];
+}
+
+/* every table's left-out flag (counts[4]) cleared: a placement's first step */
+extern "C" __global__ void tb_unleft(const i64* tabs, int T) {
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t < T) ((long long*)tabs[t * NF + P_COUNTS])[4] = 0;
+}
+
 /* every table's counts (5 each) into a (T, 5) block of page-locked host memory, through its mapped address */
 extern "C" __global__ void tb_mail(const i64* tabs, int T, i64* out) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -217,7 +230,7 @@ class Group:
     GPU the pointer table :attr:`dev`. Keys are ``(sbase[t] + set) * Rmax + row``; ``none``
     (above every key) marks a hit."""
 
-    def __init__(self, tables: list, sizes: list[int], now: list[int], lock: list[int]) -> None:
+    def __init__(self, tables: list, sizes: list[int], now: list[int], lock: list[int], into: Any = None) -> None:
         self.tables, self.now, self.lock = tables, now, lock
         self.T = len(tables)
         self.off = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
@@ -231,6 +244,7 @@ class Group:
         # set once this placement's CPU threads have gathered its rows (or its read is over): the
         # rows it sends home are scattered only then, not beside the gather on the same cores
         self.gathered = threading.Event()
+        self.holds: list = []  # events after the device work that still reads this placement's arrays (the copy home)
         self.dev = self.doff = self.dsbase = self.dsoff = None
         if not self.host:
             be = tables[0].backend
@@ -239,9 +253,21 @@ class Group:
                      _ptr(t._dstate), _ptr(t._hstate_dev if t._dstate is not None else None), _ptr(t._uses)]
                     for i, t in enumerate(tables)]
             n = self.T * len(FIELDS)
-            whole = be.asarray(np.concatenate([np.array(rows, np.int64).ravel(), self.off, self.sbase, self.soff]))
+            table = np.concatenate([np.array(rows, np.int64).ravel(), self.off, self.sbase, self.soff])
+            if into is None:
+                whole = be.asarray(table)
+            else:  # a buffer that stays where it is (a captured front reads it): up from a block this placement keeps
+                self._up = be.bounce(table.shape, np.int64)
+                self._up[...] = table
+                be.upload(into, self._up)
+                whole = into
             self.dev = whole[:n].reshape(self.T, len(FIELDS))
             self.doff, self.dsbase, self.dsoff = (whole[n + i * (self.T + 1):n + (i + 1) * (self.T + 1)] for i in range(3))
+
+    @staticmethod
+    def words(T: int) -> int:
+        """The int64 words of the device pointer table of ``T`` tables (with the three offset arrays)."""
+        return T * len(FIELDS) + 3 * (T + 1)
 
     def span(self, t: int) -> slice:
         return slice(int(self.off[t]), int(self.off[t + 1]))
@@ -328,8 +354,8 @@ def moves(g: Group, victim: Any, tid: Any, row: Any) -> tuple[Any, Any, Any, Any
     return old, wkey, rkey, cnt
 
 
-def write_back(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
-    """Send the first ``count`` rows going home, ``j``: slot ``slot[j]`` of table ``tab[j]`` to
+def write_back(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, n: int) -> None:
+    """Send the first ``count`` rows going home (``n``, as the host read it), ``j``: slot ``slot[j]`` of table ``tab[j]`` to
     host row ``hrow[j]`` (grouped by table). The rows are gathered into one block in device
     memory now, so that reads queued after this may overwrite their slots; the block goes to
     page-locked host memory in one copy on a second stream, beside those reads, and CPU threads
@@ -341,11 +367,9 @@ def write_back(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
     placement here, before its reads; every other operation through the table's ``_join``).
     Written one by one over PCIe by the GPU, random rows went no faster than random reads and
     not beside them (10-12 ms each way a step over 45 GB of tables on the H100): a step paid
-    for both. Adagrad's accumulators (4 bytes a row) go home directly. The host waits once here,
-    for the number of rows."""
+    for both. Adagrad's accumulators (4 bytes a row) go home directly."""
     drain(g.tables)
     be = g.tables[0].backend
-    n = int(be.to_host(count)[0])
     move(g, slot, tab, hrow, count, down=True, rows=False)
     if n == 0:
         return
@@ -353,6 +377,7 @@ def write_back(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
     block = gather(g, slot[:n], tab[:n])
     host, tabs, rows = be.bounce((n, F), np.float32), be.bounce((n,), np.int64), be.bounce((n,), np.int64)
     fence = be.download_aside([(host, block), (tabs, tab[:n]), (rows, hrow[:n])])
+    g.holds.append(fence)
     sources = [block, tab, hrow]  # what the copy reads stays allocated until it has landed
 
     def landed() -> None:
@@ -365,16 +390,18 @@ def write_back(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
         tb._home = home
 
 
-def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
-    """Bring in the first ``count`` rows, ``j``: host row ``hrow[j]`` of table ``tab[j]`` into its
-    slot ``slot[j]`` (grouped by table, host-address order within each), as the tables'
+def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, n: int, htab: np.ndarray | None = None,
+         hrows: np.ndarray | None = None) -> None:
+    """Bring in the first ``count`` rows (``n``, as the host read it), ``j``: host row ``hrow[j]``
+    of table ``tab[j]`` into its slot ``slot[j]`` (grouped by table, host-address order within each), as the tables'
     ``reads`` says. Mapped reads: the GPU reads each row through its mapped host address.
     Staged reads: CPU threads gather the rows into one page-locked block
     (:func:`~embeddings.kernels.scatter.gather_rows`), in :data:`READ_PIECES` pieces each copied
     up as soon as it is gathered (so only the last piece's copy follows the gather), and put into
     the slots on the device: no SM waits on PCIe (mapped reads stall the blocks that issue
     them, and slowed the current batch's update kernels beside them 2-3x on the H100), at the
-    price of host threads and one wait for the number of rows. Split reads (the default): both
+    price of host threads (which find the tables and rows of the first ``n`` moves in ``htab``
+    and ``hrows`` on the host). Split reads (the default): both
     at once, the GPU reading the first ``read_share`` of the rows (the first tables' rows) on a
     side stream while CPU threads gather the rest. The two are bound by different things (the
     GPU by the reach of its translation of host addresses, about 41,000 random rows a ms over
@@ -387,7 +414,6 @@ def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
         return
     move(g, slot, tab, hrow, count, down=False, rows=False)
     be = g.tables[0].backend
-    n = int(be.to_host(count)[0])
     if n == 0:
         return
     k = round(g.tables[0].read_share * n) if g.reads == "split" else 0
@@ -398,10 +424,7 @@ def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any) -> None:
     t0 = time.perf_counter()
     F = g.tables[0]._W.shape[1]
     m = n - k
-    tabs, rows, block = be.bounce((m,), np.int64), be.bounce((m,), np.int64), be.bounce((m, F), np.float32)
-    be.pull(tabs, tab[k:n])  # not behind the rows going home on the copy engine
-    be.pull(rows, hrow[k:n])
-    be.wait(be.fence())
+    tabs, rows, block = htab[k:n], hrows[k:n], be.bounce((m, F), np.float32)
     up = be.xp.empty((m, F), np.float32)
     cuts = np.linspace(0, m, max(1, min(READ_PIECES, m // READ_PIECE_ROWS)) + 1).astype(np.int64)
     for a, b in zip(cuts[:-1], cuts[1:]):  # each piece goes up while the CPU threads gather the next
@@ -537,16 +560,59 @@ class Placement(NamedTuple):
     victim: Any
 
 
-def place(g: Group, idx: Any, xp: Any, counted: bool = True) -> Placement:
-    """Place every table's batch: hits stamped, each table's distinct misses into the least
-    recently used ways of their sets whose stamps are below its ``lock``, the rows they held
-    written home if dirty (:func:`write_back`) and the new rows read in, in host-address order
-    over the rows that move only. A row that finds no way keeps victim -1 and sets its table's
-    left-out flag (``_counts[4]``). Hits and misses are counted when ``counted``. The host
-    waits for the number of rows going home (and, unless reads are mapped, of rows coming in);
-    the rows going home land in the host tables in the background (:func:`drain`)."""
-    for tb in g.tables:
-        tb._counts[4] = 0
+class Front(NamedTuple):
+    """A placement's decisions before any row moves (:func:`front`): the probe's slots, the sorted
+    keys and their order, each sorted entry's distinct-miss flag, row, victim and table, the
+    counts of rows going home and coming in (on the device), and the rows going home
+    (``w*``: victim slot, table, host row) and coming in (``r*``), each in host-address order."""
+    slot: Any
+    sk: Any
+    order: Any
+    first: Any
+    row: Any
+    victim: Any
+    tid: Any
+    cnt: Any
+    wslot: Any
+    wtab: Any
+    wrow: Any
+    rslot: Any
+    rtab: Any
+    rrow: Any
+    hcnt: Any  # on the host once the front has run: the counts,
+    htab: Any  # and the tables and host rows of the rows coming in, for CPU threads to gather (None: mapped reads)
+    hrow: Any
+
+
+class HostSide(NamedTuple):
+    """Page-locked host arrays a :func:`front` fills for its placement's host side: the two counts
+    and, for ``n`` entries at most, the read's tables and host rows."""
+    cnt: np.ndarray
+    tab: np.ndarray | None
+    row: np.ndarray | None
+
+
+def host_side(g: Group, n: int, alloc: Any) -> HostSide:
+    """A :class:`HostSide` for a front of ``n`` entries, from ``alloc(shape, dtype)``
+    (the backend's ``bounce`` or ``pinned``)."""
+    rows = g.reads != "mapped"
+    return HostSide(alloc((2,), np.int64), alloc((n,), np.int64) if rows else None,
+                    alloc((n,), np.int64) if rows else None)
+
+
+def front(g: Group, idx: Any, xp: Any, counted: bool = True, hosts: HostSide | None = None) -> Front:
+    """A placement up to the rows that move: left-out flags cleared, hits stamped (and counted
+    when ``counted``), each table's distinct misses given the least recently used ways of their
+    sets whose stamps are below its ``lock``, the moves ordered; then the counts, and unless reads
+    are mapped the tables and host rows of the rows coming in, stored into page-locked
+    ``hosts`` (new when None) for the host, which waits once for all of them. Device work only,
+    with shapes fixed by the batch's size: nothing waits, so it can be captured as one CUDA
+    graph (:mod:`.lru_front`)."""
+    if g.host:
+        for tb in g.tables:
+            tb._counts[4] = 0
+    else:
+        _launch("tb_unleft", g.T, (g.dev, np.int32(g.T)))
     slot, key = probe(g, idx)
     order = xp.argsort(key)
     sk = key[order]
@@ -556,13 +622,49 @@ def place(g: Group, idx: Any, xp: Any, counted: bool = True) -> Placement:
     victim, tid = victims(g, sk, first, xp.cumsum(first))
     old, wkey, rkey, cnt = moves(g, victim, tid, row)
     out, into = _argsort(xp, wkey, g.T * g.Rmax), _argsort(xp, rkey, g.T * g.Rmax)
-    write_back(g, victim[out], tid[out], old[out], cnt[0:1])
+    rtab, rrow = tid[into], row[into]
+    if g.host:
+        h = HostSide(cnt, rtab, rrow)
+    else:
+        n = int(idx.size)
+        h = host_side(g, n, g.tables[0].backend.bounce) if hosts is None else hosts
+        _pull(cnt, None, 2, h.cnt)
+        if h.tab is not None:
+            _pull(rtab, cnt[1:], n, h.tab)
+            _pull(rrow, cnt[1:], n, h.row)
+    return Front(slot, sk, order, first, row, victim, tid, cnt, victim[out], tid[out], old[out], victim[into],
+                 rtab, rrow, *h)
+
+
+def _pull(src: Any, count: Any, n: int, dst: np.ndarray) -> None:
+    """``dst[:min(count, n)] = src``: device int64 into page-locked host memory, by a kernel."""
+    _launch("tb_pull", n, (src, cuda.NULL if count is None else count, np.int64(n), np.uint64(dst.ctypes.data)), 1024)
+
+
+def place(g: Group, idx: Any, xp: Any, counted: bool = True) -> Placement:
+    """Place every table's batch: hits stamped, each table's distinct misses into the least
+    recently used ways of their sets whose stamps are below its ``lock``, the rows they held
+    written home if dirty (:func:`write_back`) and the new rows read in, in host-address order
+    over the rows that move only. A row that finds no way keeps victim -1 and sets its table's
+    left-out flag (``_counts[4]``). Hits and misses are counted when ``counted``. The host
+    waits for the number of rows going home (and, unless reads are mapped, of rows coming in);
+    the rows going home land in the host tables in the background (:func:`drain`)."""
+    return place_front(g, front(g, idx, xp, counted))
+
+
+def place_front(g: Group, f: Front) -> Placement:
+    """The rest of :func:`place` after its :func:`front`: the rows move and the ways settle."""
+    if not g.host:
+        be = g.tables[0].backend
+        be.wait(be.fence())
+    back, coming = int(f.hcnt[0]), int(f.hcnt[1])
+    write_back(g, f.wslot, f.wtab, f.wrow, f.cnt[0:1], back)
     try:
-        read(g, victim[into], tid[into], row[into], cnt[1:2])
+        read(g, f.rslot, f.rtab, f.rrow, f.cnt[1:2], coming, f.htab, f.hrow)
     finally:
         g.gathered.set()  # the rows going home wait no longer than the read (one that gathers nothing, or fails)
-    settle(g, row, victim, tid)
-    return Placement(slot, sk, order, first, row, victim)
+    settle(g, f.row, f.victim, f.tid)
+    return Placement(f.slot, f.sk, f.order, f.first, f.row, f.victim)
 
 
 def _argsort(xp: Any, keys: Any, bound: int) -> Any:
