@@ -21,7 +21,7 @@ from cachedarrays import readable, writable
 from cachedarrays.devices import gpu as gpu_device
 from cachedarrays.errors import InvariantError
 from embeddings.gpu.cached import prefetch
-from embeddings.gpu import lru_group as LG
+from embeddings.gpu import lru_group as LG, prefetcher
 from embeddings.gpu.lru import REPLACEMENTS, LRUCachedEmbeddings
 
 from test_gpu_cached import (MirroredCache, Reference, _as_np, base_rows as _base_rows, gpu_manager, host_manager,
@@ -778,11 +778,12 @@ SPECS = [(3000, 600, 4), (5000, 512, 8), (800, 200, 4)]  # rows, cache rows, way
 
 
 def trace_tables(m, together: bool, seed: int = 15, reads: str = "mapped",
-                 replacement: str | list[str] = "lru") -> tuple[list, int]:
+                 replacement: str | list[str] = "lru", own_stream: bool = False) -> tuple[list, int]:
     """Three tables (``reads``, ``replacement``: one for all or one each) trained for 9 steps with Adagrad (lookup, prefetch of the next
     batch, update), prefetched ``together`` (one table-batched placement) or one table at a time:
     the state of every table after every step (tags, stamps, dirty bits, counts, contents, the
-    accumulator, lfu's counts of use), and for each prefetch how many functions did it and whether each placed every row."""
+    accumulator, lfu's counts of use), and for each prefetch how many functions did it and whether each placed every row.
+    ``own_stream``: the prefetches run on a stream of their own, as the prefetcher's thread runs them."""
     rng = np.random.default_rng(seed)
     reps = [replacement] * len(SPECS) if isinstance(replacement, str) else replacement
     ts = [LRUCachedEmbeddings(rng.standard_normal((r, 16)).astype(np.float32), m, cache_rows=c, ways=w,
@@ -797,7 +798,15 @@ def trace_tables(m, together: bool, seed: int = 15, reads: str = "mapped",
         nxt = [b.ravel() for b in batches[step + 1]]
         works = (LRUCachedEmbeddings.prefetch_works(ts, nxt) if together
                  else [w for t, b in zip(ts, nxt) for w in LRUCachedEmbeddings.prefetch_works([t], [b])])
-        runs.append((len(works), [w() for w in works]))
+        if own_stream:  # as the prefetcher runs them: after the work queued so far, then joined
+            be = ts[0].backend
+            fence = be.fence()
+            placed = []
+            for w in works:
+                be.follow(prefetcher._run(be, lambda: placed.append(w()), getattr(w, "after", None) or [fence]))
+            runs.append((len(works), placed))
+        else:
+            runs.append((len(works), [w() for w in works]))
         for t, b in zip(ts, batches[step]):
             E.pullback(t, rng.standard_normal((64, 16)).astype(np.float32), b, optimizer=opt)
         states.append([tuple(np.array(a) for a in (_host(t._tags), _host(t._stamp), _host(t._dirty), t.counts,
@@ -919,7 +928,6 @@ def two_tables(seed: int, **kw) -> tuple:
 def test_a_background_prefetch_overlapping_the_update_changes_no_result():
     """The DLRM step's order: lookup, prefetch of the next batch started (validated now, device
     work on the worker thread), update of the current batch, then the prefetch joined."""
-    from embeddings.gpu import prefetcher
     rng, m, ts, refs, batches = two_tables(9, cache_rows=24, ways=4)
     synchronous = []
     for j, b in enumerate(batches):
@@ -951,7 +959,6 @@ def test_rows_sent_home_in_the_background_land_before_anything_reads_them(monkey
     here until the step is over): the next placement's reads and closing wait for it, so every
     lookup and the base table after closing equal the uncached table's."""
     import time
-    from embeddings.gpu import prefetcher
     from embeddings.kernels import scatter
     real, scattered = scatter.scatter_rows, []
 
@@ -1043,7 +1050,6 @@ def test_a_prefetch_started_before_the_lookup_runs_beside_the_whole_step(monkeyp
     table's."""
     import threading
     from embeddings.gpu import lru_group as LG
-    from embeddings.gpu import prefetcher
     rng, m, ts, refs, batches = two_tables(10, cache_rows=160, ways=8)
     place, gate, timed_out = LG.place, threading.Event(), []
 
@@ -1083,7 +1089,6 @@ def test_a_lookup_that_must_place_its_batch_leaves_the_next_prefetched_batch_val
     batch's prefetched rows (checked slot by slot: 48 rows in 6 sets leave it no other choice at
     times), so the next lookup still takes its slots; each batch is counted once and results
     equal the uncached table's."""
-    from embeddings.gpu import prefetcher
     rng = np.random.default_rng(11)
     W0 = rng.standard_normal((N, F)).astype(np.float32)
     m = host_manager()
@@ -1153,7 +1158,6 @@ def test_a_lookup_of_a_batch_nobody_prefetched_keeps_the_next_batchs_placement(m
     one, one after a skipped batch, evaluation lookups) must keep the placement of the batch
     prefetched just before it: dropping it made every later lookup place its own batch too.
     Placements prefetched before the previous lookup were skipped, and go."""
-    from embeddings.gpu import prefetcher
     rng = np.random.default_rng(16)
     W0 = rng.standard_normal((N, F)).astype(np.float32)
     m = host_manager()
@@ -1188,7 +1192,6 @@ def test_a_lookup_of_a_batch_nobody_prefetched_keeps_the_next_batchs_placement(m
 
 
 def test_a_lookup_waits_for_a_background_prefetch_that_nobody_joined():
-    from embeddings.gpu import prefetcher
     rng = np.random.default_rng(14)
     W0 = rng.standard_normal((N, F)).astype(np.float32)
     m = host_manager()
@@ -1209,7 +1212,6 @@ def test_a_lookup_waits_for_a_background_prefetch_that_nobody_joined():
 
 def test_the_prefetcher_joins_every_table_before_raising_a_workers_error():
     import threading
-    from embeddings.gpu import prefetcher
     from embeddings.gpu.backend import ReferenceBackend
     finished = threading.Event()
 
@@ -1328,3 +1330,91 @@ def test_the_batches_of_a_prefetch_are_slices_of_one_block_in_table_order():
     for t in ts:
         t.close()
     m.check()
+
+
+def test_front_graph_entries_are_kept_per_group_and_size_bounded_and_dropped_with_their_tables(monkeypatch):
+    """:mod:`.lru_front` keeps one entry per group of tables and batch size (at most
+    ``MAX_FRONTS``, the least recently used dropped first), makes a new one when a group's
+    tables are other objects, and drops those of a forgotten (closed) or collected table. Host
+    tables never make one: their front runs as it is."""
+    import gc
+    import types
+    from embeddings.gpu import lru_front as LF
+    monkeypatch.setattr(LF, "_fronts", type(LF._fronts)())
+    monkeypatch.setattr(LF, "MAX_FRONTS", 2)
+
+    class Table:  # what an entry reads of a table
+        backend = types.SimpleNamespace(xp=np)
+        reads = "split"
+
+    ts = [Table(), Table()]
+    a = LF._entry(ts, [5, 7], np.int32, True)
+    assert LF._entry(ts, [5, 7], np.int32, True) is a and a.raw.size == 12 and a.raw.dtype == np.int32
+    assert a.table.size == LG.Group.words(2) and a.graph is None and not a.failed
+    b = LF._entry(ts, [6, 7], np.int32, True)
+    assert b is not a and LF._entry(ts[:1], [5], np.int32, True) is not b
+    assert len(LF._fronts) == 2 and a not in LF._fronts.values()  # the least recently used went
+    LF.forget(ts[1])
+    assert [f.of(ts[:1]) for f in LF._fronts.values()] == [True]
+    gone = Table()
+    LF._entry([gone], [3], np.int32, True)
+    del gone
+    gc.collect()
+    LF._entry(ts[:1], [5], np.int32, True)
+    assert len(LF._fronts) == 1 and all(f.alive() for f in LF._fronts.values())
+    LF._fronts.clear()
+    trace_tables(host_manager(), True, reads="split")
+    assert not LF._fronts
+
+
+def test_a_front_that_cannot_be_captured_stays_eager_and_warns_once(monkeypatch):
+    """A capture that fails (or a stream that cannot be captured) marks the entry eager for good;
+    the first failure warns, naming the error."""
+    import types
+    import warnings
+    from embeddings.gpu import lru_front as LF
+    monkeypatch.setattr(LF, "_warned", [False])
+
+    class Stream:
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+        def begin_capture(self, mode):
+            raise RuntimeError("cudaErrorStreamCaptureUnsupported")
+
+    def xp(ptr):
+        import contextlib
+        return types.SimpleNamespace(cuda=types.SimpleNamespace(
+            get_current_stream=lambda: Stream(ptr), MemoryPool=lambda: types.SimpleNamespace(malloc=None),
+            using_allocator=lambda malloc: contextlib.nullcontext()))
+
+    entries = [types.SimpleNamespace(graph=None, failed=False) for _ in range(3)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        LF._capture(entries[0], None, xp(0))  # the legacy default stream: not tried, no warning
+        LF._capture(entries[1], None, xp(1))
+        LF._capture(entries[2], None, xp(1))
+    assert all(e.failed and e.graph is None for e in entries)
+    assert len(caught) == 1 and "cudaErrorStreamCaptureUnsupported" in str(caught[0].message)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
+def test_a_placements_front_replayed_as_a_cuda_graph_makes_the_same_decisions(monkeypatch):
+    """The traced tables with their fronts captured and replayed (from the second placement of
+    each group, on the prefetch's own stream: the default stream cannot be captured) end every
+    step as with fronts run step by step, for each kind of read."""
+    from embeddings.gpu import lru_front as LF
+    captured = []
+    real = LF._capture
+    monkeypatch.setattr(LF, "_capture", lambda e, g, xp: (real(e, g, xp), captured.append(e.graph is not None)))
+    with gpu_manager() as gm:
+        for reads in ("split", "mapped"):
+            captured.clear()
+            monkeypatch.setattr(LF, "GRAPHS", True)
+            graphs, runs = trace_tables(gm, True, reads=reads, own_stream=True)
+            assert captured == [True]  # one group, captured once
+            monkeypatch.setattr(LF, "GRAPHS", False)
+            eager, eager_runs = trace_tables(gm, True, reads=reads, own_stream=True)
+            assert runs == eager_runs
+            assert_same_traces(graphs, eager)

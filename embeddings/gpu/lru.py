@@ -63,7 +63,7 @@ from ..protocol import EmbeddingTable
 from . import ops
 from .backend import ReferenceBackend, cuda_backend
 from .cached import STAGING_ROWS, DeviceCache, host_base
-from . import lru_group as LG
+from . import lru_front as LF, lru_group as LG
 from . import lru_kernels as LK
 from .hbm import DeviceArrays
 
@@ -237,7 +237,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
             slots = self._place(self.backend.asarray(flat).astype(np.int64, copy=False), count=ahead is None,
                                 lock=min(later) if later else None)
             self._inflight_stamp = self._clock
-        dtype = np.int32 if self._W.shape[0] < 2 ** 31 else np.int64
+        dtype = _slot_type([self])
         dbags = ops.upload_bags(self.backend, bags, offsets is not None, slots.astype(dtype, copy=False))
         self._last = dbags.idx
         self._before_update = self.backend.fence()
@@ -561,6 +561,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
     def close(self) -> None:
         """Write everything back, then free the device arrays and undo host mappings."""
         self._join()
+        LF.forget(self)
         if not self._pins:
             return
         if getattr(self, "_hbase", None) is not None:
@@ -647,6 +648,12 @@ def _sync_counts(g: LG.Group) -> list[bool]:
     return [t._account_counts(counts) for t, counts in zip(g.tables, LG.mail(g))]
 
 
+def _slot_type(tables: Sequence[LRUCachedEmbeddings]) -> type:
+    """The type of the slots a lookup of these tables reads (int32 while every table's slots,
+    staging rows included, number below 2**31)."""
+    return np.int32 if all(t._W.shape[0] < 2 ** 31 for t in tables) else np.int64
+
+
 def _index_blocks(tables: Sequence[LRUCachedEmbeddings], flats: Sequence[np.ndarray]) -> list[np.ndarray]:
     """Page-locked blocks for the tables' batches, of the type their rows fit (int32 below 2**31
     rows): one allocation per kind of backend and type, each table's block the next slice of it,
@@ -718,10 +725,10 @@ def _place_work(tables: list[LRUCachedEmbeddings], flats: list[np.ndarray], bloc
             for t in tables:
                 t._clock += 1
                 now.append(t._clock)
-            g = LG.Group(tables, [f.size for f in flats], now, [lk or n for lk, n in zip(locks, now)])
-            xp = be.xp
-            idx = be.upload_blocks(blocks).astype(np.int64, copy=False)  # up as int32 (half the bytes), widened there
-            slots = LG.slots(g, LG.place(g, idx, xp))
+            # the batches go up as they are (int32 below 2**31 rows: half the bytes), widened there
+            g, front = LF.place(tables, [f.size for f in flats], now, [lk or n for lk, n in zip(locks, now)], blocks)
+            # copied out of the front's arrays, which the next placement overwrites; of the type lookups use
+            slots = LG.slots(g, LG.place_front(g, front)).astype(_slot_type(tables))
             placed = [not left_out for left_out in _sync_counts(g)]
             for i, t in enumerate(tables):
                 with t._ahead_lock:

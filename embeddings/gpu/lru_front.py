@@ -1,0 +1,146 @@
+"""A prefetched placement's front (:func:`.lru_group.front`) replayed as one CUDA graph.
+
+The front of a table-batched placement is some twenty device steps (the probe, three sorts, the
+victims, the moves and six gathers by permutation) whose shapes the batch's size fixes. Issued one
+by one from Python they cost the prefetch thread about 1 ms of CPU a placement, all of it holding
+the GIL that the training step beside it needs (the DLRM step is bound by the two threads' Python
+together). Captured once as a CUDA graph, the same work is one launch.
+
+A graph reads and writes the addresses it was captured with, so each group of tables placing
+batches of one size keeps a :class:`FrontGraph`: the buffer its batch is uploaded into, the
+buffer of its pointer table (:attr:`.lru_group.Group.dev`, whose values, the stamps and pointers,
+are uploaded afresh each time), the page-locked arrays where the front leaves what the host
+reads of it (:class:`.lru_group.HostSide`), and the front's outputs with the private memory pool that holds
+them and the temporaries of its sorts (nothing else allocates from that pool, so no other work
+reuses their memory between replays). Each replay overwrites the previous placement's outputs:
+it waits on the device for the copy home that reads them (:attr:`.lru_group.Group.holds`), and
+what outlives the placement (its slots) is copied out by the caller. The first placement of an
+entry runs eagerly (kernels compiled, sorts warmed), the second captures. A capture that fails
+leaves that entry eager for good, with one warning. ``CACHEDARRAYS_PLACEMENT_GRAPHS=0`` turns
+graphs off. The host form (:class:`~.backend.ReferenceBackend` tables) is always eager.
+
+An entry holds the front's arrays (about 16 words per batch entry) in device memory outside the
+manager's levels, as CuPy's pool held them before between placements; :data:`MAX_FRONTS` entries
+are kept, and a closed table's are dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import warnings
+import weakref
+from typing import Any
+
+import numpy as np
+
+from . import lru_group as LG
+
+GRAPHS = os.environ.get("CACHEDARRAYS_PLACEMENT_GRAPHS", "1") != "0"
+MAX_FRONTS = 4
+_CAPTURE_RELAXED = 2  # cudaStreamCaptureModeRelaxed: the main thread's CUDA calls go on during a capture
+
+
+class FrontGraph:
+    """One group's captured front: its fixed buffers, the graph once captured, and its outputs."""
+
+    def __init__(self, tables: list, xp: Any, n: int, dtype: Any, counted: bool) -> None:
+        self.tables = [weakref.ref(t) for t in tables]
+        self.counted = counted
+        self.raw = xp.empty(n, dtype)  # the batch, as uploaded
+        self.table = xp.empty(LG.Group.words(len(tables)), np.int64)
+        self.graph = None
+        self.out: LG.Front | None = None
+        self.pool = None
+        self.runs = 0
+        self.failed = False
+        self.holds: list = []
+        self.hosts: LG.HostSide | None = None  # page-locked, where each replay leaves the counts and the read's rows
+
+    def alive(self) -> bool:
+        return all(r() is not None for r in self.tables)
+
+    def of(self, tables: list) -> bool:
+        return len(tables) == len(self.tables) and all(r() is t for r, t in zip(self.tables, tables))
+
+
+_fronts: collections.OrderedDict = collections.OrderedDict()
+_lock = threading.Lock()
+_warned = [False]
+
+
+def _entry(tables: list, sizes: list[int], dtype: Any, counted: bool) -> FrontGraph:
+    key = (tuple(id(t) for t in tables), tuple(int(s) for s in sizes), np.dtype(dtype).str, counted, tables[0].reads)
+    with _lock:
+        for k in [k for k, f in _fronts.items() if not f.alive()]:
+            del _fronts[k]
+        entry = _fronts.get(key)
+        if entry is not None and not entry.of(tables):
+            del _fronts[key]
+            entry = None
+        if entry is None:
+            entry = _fronts[key] = FrontGraph(tables, tables[0].backend.xp, sum(sizes), dtype, counted)
+            while len(_fronts) > MAX_FRONTS:
+                _fronts.popitem(last=False)
+        _fronts.move_to_end(key)
+        return entry
+
+
+def forget(table: Any) -> None:
+    """Drop the entries of groups with ``table`` (it is closing: their memory goes back)."""
+    with _lock:
+        for k in [k for k, f in _fronts.items() if any(r() is table for r in f.tables)]:
+            del _fronts[k]
+
+
+def place(tables: list, sizes: list[int], now: list[int], lock: list[int], blocks: list[np.ndarray],
+          counted: bool = True) -> tuple[LG.Group, LG.Front]:
+    """The group of ``tables`` placing the batches in page-locked ``blocks`` (one after the other,
+    ``sizes`` entries each) at stamps ``now`` with locks ``lock``, and its :func:`.lru_group.front`:
+    uploaded and replayed where a graph serves the group, else run as it is. The front's arrays
+    stay valid until the next placement of the same group."""
+    be = tables[0].backend
+    xp = be.xp
+    if not GRAPHS or isinstance(tables[0]._tags, np.ndarray) or sum(sizes) == 0:
+        g = LG.Group(tables, sizes, now, lock)
+        return g, LG.front(g, be.upload_blocks(blocks).astype(np.int64, copy=False), xp, counted)
+    entry = _entry(tables, sizes, blocks[0].dtype, counted)
+    g = LG.Group(tables, sizes, now, lock, into=entry.table)
+    be.upload_blocks(blocks, out=entry.raw)
+    for ev in entry.holds:  # the last placement's copy home reads the outputs a replay overwrites
+        be.follow(ev)
+    entry.holds = g.holds
+    if entry.hosts is None:
+        entry.hosts = LG.host_side(g, entry.raw.size, be.pinned)
+    if entry.graph is None and entry.runs and not entry.failed:
+        _capture(entry, g, xp)
+    if entry.graph is None:
+        entry.runs += 1
+        return g, LG.front(g, entry.raw.astype(np.int64), xp, counted, entry.hosts)
+    entry.graph.launch(xp.cuda.get_current_stream())
+    return g, entry.out
+
+
+def _capture(entry: FrontGraph, g: LG.Group, xp: Any) -> None:
+    """Capture ``entry``'s front on this thread's stream, its arrays from a pool of its own."""
+    stream = xp.cuda.get_current_stream()
+    if stream.ptr == 0:  # the legacy default stream cannot be captured
+        entry.failed = True
+        return
+    pool = xp.cuda.MemoryPool()
+    try:
+        with xp.cuda.using_allocator(pool.malloc):
+            stream.begin_capture(_CAPTURE_RELAXED)
+            try:
+                out = LG.front(g, entry.raw.astype(np.int64), xp, entry.counted, entry.hosts)
+            finally:
+                graph = stream.end_capture()
+    except Exception as e:  # a step that cannot be captured: this group stays eager
+        entry.failed = True
+        if not _warned[0]:
+            _warned[0] = True
+            warnings.warn(f"a placement's front could not be captured as a CUDA graph ({type(e).__name__}: {e}); "
+                          "placements run it step by step", RuntimeWarning, stacklevel=3)
+        return
+    entry.graph, entry.out, entry.pool = graph, out, pool
