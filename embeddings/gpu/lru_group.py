@@ -549,19 +549,9 @@ def settle(g: Group, row: Any, victim: Any, tid: Any) -> None:
     _launch("tb_settle", int(victim.size), (row, victim, tid, np.int64(victim.size), g.dev))
 
 
-class Placement(NamedTuple):
-    """What :func:`place` leaves for :func:`slots` (and for staging what found no way): sorted
-    keys, the sort, each sorted entry's distinct-miss flag, row and victim slot."""
-    slot: Any
-    sk: Any
-    order: Any
-    first: Any
-    row: Any
-    victim: Any
-
-
 class Front(NamedTuple):
-    """A placement's decisions before any row moves (:func:`front`): the probe's slots, the sorted
+    """A placement's decisions before any row moves (:func:`front`), which :func:`slots` reads
+    after the placement (and the staging of what found no way): the probe's slots, the sorted
     keys and their order, each sorted entry's distinct-miss flag, row, victim and table, the
     counts of rows going home and coming in (on the device), and the rows going home
     (``w*``: victim slot, table, host row) and coming in (``r*``), each in host-address order."""
@@ -641,7 +631,7 @@ def _pull(src: Any, count: Any, n: int, dst: np.ndarray) -> None:
     _launch("tb_pull", n, (src, cuda.NULL if count is None else count, np.int64(n), np.uint64(dst.ctypes.data)), 1024)
 
 
-def place(g: Group, idx: Any, xp: Any, counted: bool = True) -> Placement:
+def place(g: Group, idx: Any, xp: Any, counted: bool = True) -> Front:
     """Place every table's batch: hits stamped, each table's distinct misses into the least
     recently used ways of their sets whose stamps are below its ``lock``, the rows they held
     written home if dirty (:func:`write_back`) and the new rows read in, in host-address order
@@ -652,7 +642,7 @@ def place(g: Group, idx: Any, xp: Any, counted: bool = True) -> Placement:
     return place_front(g, front(g, idx, xp, counted))
 
 
-def place_front(g: Group, f: Front) -> Placement:
+def place_front(g: Group, f: Front) -> Front:
     """The rest of :func:`place` after its :func:`front`: the rows move and the ways settle."""
     if not g.host:
         be = g.tables[0].backend
@@ -664,7 +654,7 @@ def place_front(g: Group, f: Front) -> Placement:
     finally:
         g.gathered.set()  # the rows going home wait no longer than the read (one that gathers nothing, or fails)
     settle(g, f.row, f.victim, f.tid)
-    return Placement(f.slot, f.sk, f.order, f.first, f.row, f.victim)
+    return f
 
 
 def _argsort(xp: Any, keys: Any, bound: int) -> Any:
@@ -673,7 +663,7 @@ def _argsort(xp: Any, keys: Any, bound: int) -> Any:
     return xp.argsort(keys.astype(np.int32) if bound < 2 ** 31 else keys)
 
 
-def slots(g: Group, p: Placement) -> Any:
+def slots(g: Group, p: Front) -> Any:
     """The slot of every entry: a hit's from the probe, a miss's its distinct miss's victim."""
     LK.slots(p.sk, p.order, p.victim, g.none, p.slot)
     return p.slot
