@@ -15,11 +15,14 @@ same index stream:
   fewest batches); ``dynamic`` / ``static``: the ``CachedEmbeddings`` with host bookkeeping
   (caching on access, or the most frequent rows known from the index generator). The next
   batch is prefetched while the current batch's dense work runs, as ``dlrm.train`` does. Under
-  ``lru`` and ``lfu`` the model runs as three contenders, switched between rounds on the same tables and
+  ``lru`` and ``lfu`` the model runs as four contenders, switched between rounds on the same tables and
   index stream: the default split reads ("ours": the GPU reads a share of the missed rows
   through their mapped host addresses while CPU threads gather the rest, the share adapting),
-  all read by the GPU ("ours, mapped reads") and all gathered by CPU threads then copied up at
-  once ("ours, staged reads"; ``--lru-reads`` of ``dlrm.train``); the targets take the fastest;
+  all read by the GPU ("ours, mapped reads"), all gathered by CPU threads then copied up at
+  once ("ours, staged reads"; ``--lru-reads`` of ``dlrm.train``), and split reads with each
+  placement's front issued step by step instead of replayed as a CUDA graph ("ours, front step
+  by step": :mod:`embeddings.gpu.lru_front`, what the graph saves in this very run); the
+  targets take the fastest;
 * in HBM: the same model with tables small enough to sit in HBM (``rows / --shrink`` rows each),
   the same Zipf ranks scaled down to them;
 * PyTorch without FBGEMM: ``nn.EmbeddingBag(sparse=True)`` over the same host tables on the CPU,
@@ -165,6 +168,7 @@ def rounds(contenders: dict, nrounds: int) -> dict:
 
 
 ALONE = 8  # batches whose placement and training step are timed one after the other
+STEPWISE = "ours, front step by step"  # split reads, each placement's front not replayed as a CUDA graph
 
 
 def apart(model, batches, reads: str) -> dict:
@@ -506,6 +510,9 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
     from dlrm import DLRMConfig
     from dlrm import gpu as G
     from dlrm.placement import cache_rows, hitrate, reset_counters
+    from embeddings.gpu import lru_front as LF
+
+    graphs_default = LF.GRAPHS
 
     T, n, F, B, k = args.tables, args.rows, 64, args.batch, args.lookups
     small = max(1, n // args.shrink)
@@ -520,7 +527,7 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
     t0 = time.perf_counter()
     # a cache must not see a batch twice: the timed steps follow the warm-up on fresh batches
     sets = args.policy in ("lru", "lfu")
-    variants = 3 if sets else 1  # lru/lfu: split, mapped and staged reads, on one model
+    variants = 4 if sets else 1  # lru/lfu: split, mapped and staged reads, split without graphs, on one model
     nsteps = max(args.steps, variants * args.rounds * args.per_round + 2 + (ALONE + 1 if sets else 0))
     big_b, small_b = make_batches(nsteps, T, n, small, B, k, seed=1)
     print(f"  index stream: {nsteps} batches in {time.perf_counter() - t0:.1f} s (ours never sees one twice)",
@@ -558,21 +565,24 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
     at = {"next": 0}
     timers = {}
 
-    def variant(reads: str, model=ours):
-        timers[reads] = type(model.timer)()
+    def variant(reads: str, model=ours, graphs: bool = True):
+        name = f"{reads} reads" + ("" if graphs else ", front step by step")
+        timers[name] = type(model.timer)()
 
         def step(_j):
             for t in model.tables:
                 if hasattr(t, "reads"):
                     t.reads = reads
-            model.timer = timers[reads]
+            LF.GRAPHS = graphs
+            model.timer = timers[name]
             j, at["next"] = at["next"], at["next"] + 1
             return model.train_step(big_b[j % nsteps], big_b[(j + 1) % nsteps])
         return step
     contenders["ours"] = (variant("split"), args.per_round, B)
-    if variants == 3:
+    if variants == 4:
         contenders["ours, mapped reads"] = (variant("mapped"), args.per_round, B)
         contenders["ours, staged reads"] = (variant("staged"), args.per_round, B)
+        contenders[STEPWISE] = (variant("split", graphs=False), args.per_round, B)
     print(f"  ours ready in {time.perf_counter() - t1:.1f} s ({args.warm_steps} warm-up steps on fresh batches)",
           flush=True)
 
@@ -584,6 +594,7 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
     contenders["torch CPU tables"] = (lambda j, th=th, tbs=tbs: th.step(tbs[j % len(tbs)]), args.torch_per_round, B)
 
     sps = rounds(contenders, args.rounds)
+    LF.GRAPHS = graphs_default
     res["samples_per_s"] = sps
     steps = at["next"]  # ours' steps, every variant
     rates = [hitrate(t) for t in ours.tables]
@@ -605,14 +616,16 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
     res["host_traffic_fraction_of_h2d"] = res["host_traffic_GBps"] / bw_h2d
     res["ours_over_hbm"] = sps[best] / sps["in HBM"]
     res["ours_over_torch_cpu"] = sps[best] / sps["torch CPU tables"]
-    res["ours_phases_ms_per_step"] = {reads: per_step(tm) for reads, tm in timers.items()}
+    res["ours_phases_ms_per_step"] = {name: per_step(tm) for name, tm in timers.items()}
     res["in_hbm_phases_ms_per_step"] = per_step(hbm.timer)
     if sets:  # after every count above: these placements would count again
         j = at["next"]
         ours.timer = type(ours.timer)()
         ours.train_step(big_b[j % nsteps], None)  # takes the batch the last timed step prefetched
-        reads = {"ours": "split", "ours, mapped reads": "mapped", "ours, staged reads": "staged"}[best]
+        reads = {"ours": "split", "ours, mapped reads": "mapped", "ours, staged reads": "staged", STEPWISE: "split"}[best]
+        LF.GRAPHS = graphs_default and best != STEPWISE
         res["apart"] = apart(ours, [big_b[(j + 1 + i) % nsteps] for i in range(ALONE)], reads)
+        LF.GRAPHS = graphs_default
     cpu_ms = res["prefetch_cpu_ms_per_step"]
     if cpu_ms > 0:
         res["gil"] = gil_probe(contenders["in HBM"][0], [cpu_ms / 2, cpu_ms])
@@ -652,8 +665,8 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
             f"allows {res['host_floor_bound']:.2f}x)"] = res["ours_over_hbm"] >= 0.8
     targets[f"part 1: >= 3x PyTorch with CPU tables ({best}: {res['ours_over_torch_cpu']:.2f}x)"] = \
         res["ours_over_torch_cpu"] >= 3
-    for reads, phases in res["ours_phases_ms_per_step"].items():
-        print(f"  ours{f' ({reads} reads)' if sets else ''}, wall time per step by phase: "
+    for name, phases in res["ours_phases_ms_per_step"].items():
+        print(f"  ours{f' ({name})' if sets else ''}, wall time per step by phase: "
               + ", ".join(f"{p_} {v:.1f} ms" for p_, v in phases.items()))
     if "apart" in res:
         a = res["apart"]
