@@ -150,9 +150,10 @@ def fill(arrays, seed: int, workers: int = 16) -> None:
 
 
 # ------------------------------------------------------------------ timing
-def rounds(contenders: dict, nrounds: int) -> dict:
-    """``contenders[name] = (step(j), steps per round, batch size)``: samples/s per round,
-    contenders alternating inside every round (order reversed every other round)."""
+def rounds(contenders: dict, nrounds: int, each: dict | None = None) -> dict:
+    """``contenders[name] = (step(j), steps per round, batch size)``: the median samples/s of
+    the rounds, contenders alternating inside every round (order reversed every other round);
+    every round's samples/s go into ``each[name]`` when given (how much the host varied)."""
     names = list(contenders)
     got = {n: [] for n in names}
     pos = {n: 0 for n in names}
@@ -164,6 +165,8 @@ def rounds(contenders: dict, nrounds: int) -> dict:
                 step(pos[n])
                 pos[n] += 1
             got[n].append(per_round * B / (time.perf_counter() - t0))
+    if each is not None:
+        each.update(got)
     return {n: statistics.median(v) for n, v in got.items()}
 
 
@@ -593,7 +596,8 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
     th.step(tbs[0])
     contenders["torch CPU tables"] = (lambda j, th=th, tbs=tbs: th.step(tbs[j % len(tbs)]), args.torch_per_round, B)
 
-    sps = rounds(contenders, args.rounds)
+    res["samples_per_s_each_round"] = {}
+    sps = rounds(contenders, args.rounds, res["samples_per_s_each_round"])
     LF.GRAPHS = graphs_default
     res["samples_per_s"] = sps
     steps = at["next"]  # ours' steps, every variant
@@ -639,6 +643,8 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
         rows.append(r)
     print_table(f"Part 1: whole DLRM step, {T} x {n} rows (samples/s, medians of {args.rounds} rounds)",
                 ["trainer", "samples/s", "ms/step", "x in-HBM", "x torch CPU tables"], rows)
+    print("  ms/step of each round (in the order run): " + "; ".join(
+        f"{name} " + " ".join(f"{1e3 * B / v:.1f}" for v in each) for name, each in res["samples_per_s_each_round"].items()))
     targets = {}
     print_table(f"Part 1: {best}, host <-> GPU traffic (the GB/s at its step time)",
                 ["hit rate", "MB moved/batch", "miss MB/batch", "GB/s", "H2D GB/s (measured)", "% of H2D"],

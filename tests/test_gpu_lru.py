@@ -1318,6 +1318,22 @@ def test_the_gil_probe_runs_each_side_work_beside_every_step_and_stops_its_threa
         assert time.thread_time() - c0 >= 2e-3
 
 
+def test_the_benchmarks_rounds_alternate_the_contenders_and_keep_every_rounds_rate():
+    """``gpu_dlrm.rounds``: each contender runs its steps per round in every round, the order
+    reversed every other round, each step index once; the medians come back and, when asked,
+    every round's samples/s (how much the host varied)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import gpu_dlrm as GD
+    calls, each = [], {}
+    got = GD.rounds({"a": (lambda j: calls.append(("a", j)), 2, 10), "b": (lambda j: calls.append(("b", j)), 1, 10)},
+                    3, each)
+    assert calls == [("a", 0), ("a", 1), ("b", 0), ("b", 1), ("a", 2), ("a", 3), ("a", 4), ("a", 5), ("b", 2)]
+    assert set(each) == set(got) == {"a", "b"} and all(len(v) == 3 for v in each.values())
+    assert all(got[n] == sorted(each[n])[1] for n in got)
+
+
 def test_the_batches_of_a_prefetch_are_slices_of_one_block_in_table_order():
     """``prefetch_works`` copies each table's batch into the next slice of one page-locked block
     (of the type its rows fit), so a placement group's batches go up in one copy."""
