@@ -17,7 +17,8 @@ until a table's data is found on a GPU.
   bits are in HBM, run by the device itself, misses read through the base table's mapped
   address and evictions sent home as one block that CPU threads scatter in the background
   (:mod:`embeddings.kernels.scatter`; :mod:`.lru_group`: placing the batches of several tables with
-  one set of CUDA kernels; :mod:`.lru_kernels`: one table's steps and the kernels they share;
+  one set of CUDA kernels; :mod:`.lru_front`: the fixed-shape front of such a placement replayed
+  as one CUDA graph; :mod:`.lru_kernels`: one table's steps and the kernels they share;
   every kernel with a numpy form);
 * :mod:`.prefetcher` – the next batch's prefetch on worker threads with their own streams,
   overlapping the current batch's work;

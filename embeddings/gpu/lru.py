@@ -357,7 +357,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         for this table alone, the ways of this batch locked, and those of stamps from ``lock``
         on when given): hits stamped, misses admitted into the least recently used ways of
         their sets, the rest staged; hits and misses counted when ``count``. The host waits for
-        the number of rows going home and for the placement's counts."""
+        the front's counts (:func:`.lru_group.place`) and for the placement's counts."""
         xp = self.backend.xp
         self._clock += 1
         n = int(idx.size)
@@ -707,7 +707,8 @@ def _place_work(tables: list[LRUCachedEmbeddings], flats: list[np.ndarray], bloc
     instead, handed to the prefetcher as ``work.after``). That update writes only its batch's
     slots and dirty bits, so then the lock keeps that batch's ways too, even with later batches
     queued, and the placement need not wait for the update: the DLRM trainer does not wait
-    for its update on the host, and the next placement would start behind it."""
+    for its update on the host, and the next placement would start behind it. On the
+    prefetcher's stream the placement's front is a CUDA graph replayed (:mod:`.lru_front`)."""
     locks, events, since = [], [], [t._lookups for t in tables]
     relaxed = all(a is not None for a in after)
     for t in tables:

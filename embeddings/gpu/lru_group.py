@@ -11,7 +11,10 @@ background), one read of the rows that move (:func:`read`: by default a kernel t
 mapped host addresses of a share of them beside CPU threads gathering the rest into one block
 that goes up in one copy), one settle. Each kernel finds its table's parameters and arrays
 (tags, stamps, dirty bits, rows, the mapped base table, Adagrad's accumulators) in a small table
-of pointers, :attr:`Group.dev`.
+of pointers, :attr:`Group.dev`. Everything before the host learns how many rows move is one
+function, :func:`front`, of shapes the batch's size fixes, that queues no host wait and ends by
+storing the counts and the read's rows into page-locked memory: the host waits once for all of
+it, and a prefetch replays it as one CUDA graph (:mod:`.lru_front`).
 
 The decisions are the per-table ones: a row's set, its rank among its set's misses, the way it
 takes, what goes home, all as if each table had been placed alone; the numpy forms below place
@@ -637,8 +640,8 @@ def place(g: Group, idx: Any, xp: Any, counted: bool = True) -> Front:
     written home if dirty (:func:`write_back`) and the new rows read in, in host-address order
     over the rows that move only. A row that finds no way keeps victim -1 and sets its table's
     left-out flag (``_counts[4]``). Hits and misses are counted when ``counted``. The host
-    waits for the number of rows going home (and, unless reads are mapped, of rows coming in);
-    the rows going home land in the host tables in the background (:func:`drain`)."""
+    waits once after the :func:`front` (for the counts and the read's rows), and for a staged
+    read's copies; the rows going home land in the host tables in the background (:func:`drain`)."""
     return place_front(g, front(g, idx, xp, counted))
 
 
