@@ -113,6 +113,38 @@ def test_forced_eviction_walks_each_run_between_pinned_objects_once():
     m.check()
 
 
+def test_lru_looks_up_only_the_victims_it_tries_and_a_live_order_is_listed_first(monkeypatch):
+    """Making room under LRU takes its candidates one at a time from a copy of the order, so a
+    forced eviction that the least recent object satisfies looks up that object only; a policy
+    that declares no snapshot (``victims_snapshot`` False, the default, for ``victims_on`` that
+    yield from live structures) has every candidate listed before the first eviction."""
+    m = make(LRUPolicy(), fast="64KiB")
+    xs = [CachedArray(np.full(1024, i, np.float32), m) for i in range(16)]  # 4 KiB each: DRAM is full
+    looked = []
+    real = m.getobject
+    monkeypatch.setattr(m, "getobject", lambda i: looked.append(i) or real(i))
+    y = CachedArray(np.full(1024, -1, np.float32), m)
+    assert where(m, y) == "DRAM" and where(m, xs[0]) == "PM"
+    assert looked == [xs[0].object.id]  # not the 15 others
+    monkeypatch.undo()
+
+    class Listed(LRUPolicy):  # as a policy that yields from live structures declares itself
+        victims_snapshot = False
+
+    m2 = make(Listed(), fast="64KiB")
+    zs = [CachedArray(np.full(1024, i, np.float32), m2) for i in range(16)]
+    looked.clear()
+    real2 = m2.getobject
+    monkeypatch.setattr(m2, "getobject", lambda i: looked.append(i) or real2(i))
+    w = CachedArray(np.full(1024, -2, np.float32), m2)
+    assert where(m2, w) == "DRAM" and where(m2, zs[0]) == "PM"
+    assert looked == [z.object.id for z in zs]  # all listed before the eviction
+    for i, z in enumerate(zs):
+        assert np.all(np.asarray(z) == i)
+    m.check()
+    m2.check()
+
+
 def test_out_of_memory_names_sizes():
     m = make(LRUPolicy(), fast="256KiB", slow="1MiB")
     with pytest.raises(OutOfMemoryError, match=r"requested 2000000 bytes .*larger than every level \(DRAM 256.0 KiB, PM 1.0 MiB\)"):

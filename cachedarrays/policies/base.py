@@ -52,6 +52,13 @@ class Policy:
     a collection only when eviction cannot make room.)
     """
 
+    #: Whether `victims_on` iterates over a snapshot of its own (as `LRUPolicy`'s, a copy of its
+    #: order's ids), so that making room may take its candidates one at a time while evictions
+    #: change the policy's order: only the candidates tried are looked up. Otherwise (the safe
+    #: default for a policy that yields from its live structures) every candidate is listed
+    #: before the first eviction, an object lookup each, however few are tried.
+    victims_snapshot = False
+
     def __init__(self, collect_at: float | None = None):
         self.manager: Manager | None = None
         self.collect_at = collect_at
@@ -373,7 +380,8 @@ class Policy:
 
     def _candidates(self, device: Device, nbytes: int) -> Iterator[Object]:
         seen = set()
-        for obj in list(self.victims_on(device, nbytes)):
+        victims = self.victims_on(device, nbytes)
+        for obj in (victims if self.victims_snapshot else list(victims)):
             if obj.id not in seen and obj.alive:
                 seen.add(obj.id)
                 yield obj

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from ..devices import Device
 from ..errors import InvariantError
@@ -57,13 +57,21 @@ class LRUPolicy(Policy):
     def victims(self, nbytes: int) -> Iterator[Object]:
         return self.victims_on(self.fast, nbytes)
 
+    victims_snapshot = True  # victims_on walks a copy of the order, taken when it is called
+
     def victims_on(self, device: Device, nbytes: int) -> Iterator[Object]:
-        for obj_id in list(self._orders.get(device.name, ())):
+        """The level's objects least recently used first, then (below the fast level) the other
+        objects with a region there; of the order and the objects as they were at the call."""
+        ids = list(self._orders.get(device.name, ()))
+        others = self.m.objects_on(device) if device is not self.fast else ()  # copies below faster primaries
+        return self._victims(ids, others)
+
+    def _victims(self, ids: list[int], others: Iterable[Object]) -> Iterator[Object]:
+        for obj_id in ids:
             obj = self.m.getobject(obj_id)
             if obj is not None:
                 yield obj
-        if device is not self.fast:  # copies kept below faster primaries take room here too
-            yield from self.m.objects_on(device)
+        yield from others
 
     def on_use(self, obj: Object, write: bool) -> None:
         self._touch(obj)
