@@ -29,6 +29,8 @@ class LRUPolicy(Policy):
     `softevict` moves an object to the front of its level's order.
     """
 
+    victims_snapshot = True  # victims_on walks a copy of the order, taken when it is called
+
     def __init__(self, local_alloc: bool = True, honor_frees: bool = True, prefetch: bool = True,
                  insert_on_use: bool | None = None, collect_at: float | None = None):
         super().__init__(collect_at=collect_at)
@@ -56,8 +58,6 @@ class LRUPolicy(Policy):
 
     def victims(self, nbytes: int) -> Iterator[Object]:
         return self.victims_on(self.fast, nbytes)
-
-    victims_snapshot = True  # victims_on walks a copy of the order, taken when it is called
 
     def victims_on(self, device: Device, nbytes: int) -> Iterator[Object]:
         """The level's objects least recently used first, then (below the fast level) the other
