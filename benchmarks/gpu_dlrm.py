@@ -597,8 +597,10 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
     contenders["torch CPU tables"] = (lambda j, th=th, tbs=tbs: th.step(tbs[j % len(tbs)]), args.torch_per_round, B)
 
     res["samples_per_s_each_round"] = {}
+    LF.COUNTS.clear()
     sps = rounds(contenders, args.rounds, res["samples_per_s_each_round"])
     LF.GRAPHS = graphs_default
+    res["placement_fronts"] = dict(LF.COUNTS)  # in the timed rounds: how many were replayed, captured, run step by step
     res["samples_per_s"] = sps
     steps = at["next"]  # ours' steps, every variant
     rates = [hitrate(t) for t in ours.tables]
@@ -643,6 +645,8 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
         rows.append(r)
     print_table(f"Part 1: whole DLRM step, {T} x {n} rows (samples/s, medians of {args.rounds} rounds)",
                 ["trainer", "samples/s", "ms/step", "x in-HBM", "x torch CPU tables"], rows)
+    if res["placement_fronts"]:
+        print("  placement fronts in the timed rounds: " + ", ".join(f"{k_} {v}" for k_, v in res["placement_fronts"].items()))
     print("  ms/step of each round (in the order run): " + "; ".join(
         f"{name} " + " ".join(f"{1e3 * B / v:.1f}" for v in each) for name, each in res["samples_per_s_each_round"].items()))
     targets = {}

@@ -1379,8 +1379,10 @@ def test_front_graph_entries_are_kept_per_group_and_size_bounded_and_dropped_wit
     LF._entry(ts[:1], [5], np.int32, True)
     assert len(LF._fronts) == 1 and all(f.alive() for f in LF._fronts.values())
     LF._fronts.clear()
+    monkeypatch.setattr(LF, "COUNTS", type(LF.COUNTS)())
     trace_tables(host_manager(), True, reads="split")
     assert not LF._fronts
+    assert LF.COUNTS["step by step"] >= 9 and set(LF.COUNTS) == {"step by step"}  # every prefetch, one front each
 
 
 def test_a_front_that_cannot_be_captured_stays_eager_and_warns_once(monkeypatch):
@@ -1404,13 +1406,14 @@ def test_a_front_that_cannot_be_captured_stays_eager_and_warns_once(monkeypatch)
             get_current_stream=lambda: Stream(ptr), MemoryPool=lambda: types.SimpleNamespace(malloc=None),
             using_allocator=lambda malloc: contextlib.nullcontext()))
 
+    monkeypatch.setattr(LF, "COUNTS", type(LF.COUNTS)())
     entries = [types.SimpleNamespace(graph=None, failed=False) for _ in range(3)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         LF._capture(entries[0], None, xp(0))  # the legacy default stream: not tried, no warning
         LF._capture(entries[1], None, xp(1))
         LF._capture(entries[2], None, xp(1))
-    assert all(e.failed and e.graph is None for e in entries)
+    assert all(e.failed and e.graph is None for e in entries) and LF.COUNTS["capture failed"] == 3
     assert len(caught) == 1 and "cudaErrorStreamCaptureUnsupported" in str(caught[0].message)
 
 
@@ -1428,8 +1431,10 @@ def test_a_placements_front_replayed_as_a_cuda_graph_makes_the_same_decisions(mo
         for reads in ("split", "mapped"):
             captured.clear()
             monkeypatch.setattr(LF, "GRAPHS", True)
+            monkeypatch.setattr(LF, "COUNTS", type(LF.COUNTS)())
             graphs, runs = trace_tables(gm, True, reads=reads, own_stream=True)
             assert captured and all(captured)  # each group (staged rows leave a table out of some) captured once
+            assert LF.COUNTS["captured"] == len(captured) and LF.COUNTS["replayed"] > 0
             monkeypatch.setattr(LF, "GRAPHS", False)
             eager, eager_runs = trace_tables(gm, True, reads=reads, own_stream=True)
             assert runs == eager_runs

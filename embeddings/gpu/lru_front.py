@@ -65,6 +65,10 @@ class FrontGraph:
         return len(tables) == len(self.tables) and all(r() is t for r, t in zip(self.tables, tables))
 
 
+#: Fronts run since the process began (or ``COUNTS.clear()``): ``replayed``, ``captured``,
+#: ``capture failed`` and ``step by step`` (graphs off, host tables, an entry's first placement).
+COUNTS: collections.Counter = collections.Counter()
+
 _fronts: collections.OrderedDict = collections.OrderedDict()
 _lock = threading.Lock()
 _warned = [False]
@@ -103,6 +107,7 @@ def place(tables: list, sizes: list[int], now: list[int], lock: list[int], block
     be = tables[0].backend
     xp = be.xp
     if not GRAPHS or isinstance(tables[0]._tags, np.ndarray) or sum(sizes) == 0:
+        COUNTS["step by step"] += 1
         g = LG.Group(tables, sizes, now, lock)
         return g, LG.front(g, be.upload_blocks(blocks).astype(np.int64, copy=False), xp, counted)
     entry = _entry(tables, sizes, blocks[0].dtype, counted)
@@ -117,8 +122,10 @@ def place(tables: list, sizes: list[int], now: list[int], lock: list[int], block
         _capture(entry, g, xp)
     if entry.graph is None:
         entry.runs += 1
+        COUNTS["step by step"] += 1
         return g, LG.front(g, entry.raw.astype(np.int64), xp, counted, entry.hosts)
     entry.graph.launch(xp.cuda.get_current_stream())
+    COUNTS["replayed"] += 1
     return g, entry.out
 
 
@@ -127,6 +134,7 @@ def _capture(entry: FrontGraph, g: LG.Group, xp: Any) -> None:
     stream = xp.cuda.get_current_stream()
     if stream.ptr == 0:  # the legacy default stream cannot be captured
         entry.failed = True
+        COUNTS["capture failed"] += 1
         return
     pool = xp.cuda.MemoryPool()
     try:
@@ -138,9 +146,11 @@ def _capture(entry: FrontGraph, g: LG.Group, xp: Any) -> None:
                 graph = stream.end_capture()
     except Exception as e:  # a step that cannot be captured: this group stays eager
         entry.failed = True
+        COUNTS["capture failed"] += 1
         if not _warned[0]:
             _warned[0] = True
             warnings.warn(f"a placement's front could not be captured as a CUDA graph ({type(e).__name__}: {e}); "
                           "placements run it step by step", RuntimeWarning, stacklevel=3)
         return
     entry.graph, entry.out, entry.pool = graph, out, pool
+    COUNTS["captured"] += 1
