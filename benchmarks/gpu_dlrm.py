@@ -39,7 +39,9 @@ allows a step (:func:`host_floor`): a step's rows read and written with nothing 
 CPU threads, by the GPU through mapped addresses and by both, the best schedule tried being the
 floor (the 0.8x target's line says what ratio it leaves); and what the prefetch thread's Python
 costs (:func:`gil_probe`): its CPU time a step (the tables' ``prefetch_cpu_s``), and the in-HBM
-step with a second thread doing that much pure Python beside it, or as much GIL-free work. Targets:
+step with a second thread doing that much pure Python beside it, or as much GIL-free work; every
+round's samples/s, and how many placement fronts the timed rounds replayed as CUDA graphs, captured
+or ran step by step (:data:`embeddings.gpu.lru_front.COUNTS`). Targets:
 hit rate >= 80%; ours >= 0.8x the in-HBM samples/s; ours >= 3x the PyTorch-CPU-tables samples/s.
 
 Part 2, the facebookresearch DLRM reference layout (b) on the GPU: 8 x 1M rows, F=64, 100
