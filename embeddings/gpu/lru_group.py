@@ -393,8 +393,8 @@ def write_back(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, n: int) -> 
         tb._home = home
 
 
-def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, n: int, htab: np.ndarray | None = None,
-         hrows: np.ndarray | None = None) -> None:
+def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, n: int, htab: np.ndarray | None,
+         hrows: np.ndarray | None) -> None:
     """Bring in the first ``count`` rows (``n``, as the host read it), ``j``: host row ``hrow[j]``
     of table ``tab[j]`` into its slot ``slot[j]`` (grouped by table, host-address order within each), as the tables'
     ``reads`` says. Mapped reads: the GPU reads each row through its mapped host address.
@@ -552,12 +552,22 @@ def settle(g: Group, row: Any, victim: Any, tid: Any) -> None:
     _launch("tb_settle", int(victim.size), (row, victim, tid, np.int64(victim.size), g.dev))
 
 
+class HostSide(NamedTuple):
+    """Page-locked host arrays a :func:`front` fills for its placement's host side: the two counts
+    and, for ``n`` entries at most, the read's tables and host rows, for CPU threads to gather
+    (None under mapped reads). On the host form: the front's own arrays."""
+    cnt: np.ndarray
+    tab: np.ndarray | None
+    row: np.ndarray | None
+
+
 class Front(NamedTuple):
     """A placement's decisions before any row moves (:func:`front`), which :func:`slots` reads
     after the placement (and the staging of what found no way): the probe's slots, the sorted
     keys and their order, each sorted entry's distinct-miss flag, row, victim and table, the
     counts of rows going home and coming in (on the device), and the rows going home
-    (``w*``: victim slot, table, host row) and coming in (``r*``), each in host-address order."""
+    (``w*``: victim slot, table, host row) and coming in (``r*``), each in host-address order,
+    and what the host reads of them (:class:`HostSide`)."""
     slot: Any
     sk: Any
     order: Any
@@ -572,17 +582,7 @@ class Front(NamedTuple):
     rslot: Any
     rtab: Any
     rrow: Any
-    hcnt: Any  # on the host once the front has run: the counts,
-    htab: Any  # and the tables and host rows of the rows coming in, for CPU threads to gather (None: mapped reads)
-    hrow: Any
-
-
-class HostSide(NamedTuple):
-    """Page-locked host arrays a :func:`front` fills for its placement's host side: the two counts
-    and, for ``n`` entries at most, the read's tables and host rows."""
-    cnt: np.ndarray
-    tab: np.ndarray | None
-    row: np.ndarray | None
+    host: HostSide  # on the host once the front has run
 
 
 def host_side(g: Group, n: int, alloc: Any) -> HostSide:
@@ -626,7 +626,7 @@ def front(g: Group, idx: Any, xp: Any, counted: bool = True, hosts: HostSide | N
             _pull(rtab, cnt[1:], n, h.tab)
             _pull(rrow, cnt[1:], n, h.row)
     return Front(slot, sk, order, first, row, victim, tid, cnt, victim[out], tid[out], old[out], victim[into],
-                 rtab, rrow, *h)
+                 rtab, rrow, h)
 
 
 def _pull(src: Any, count: Any, n: int, dst: np.ndarray) -> None:
@@ -650,10 +650,10 @@ def place_front(g: Group, f: Front) -> Front:
     if not g.host:
         be = g.tables[0].backend
         be.wait(be.fence())
-    back, coming = int(f.hcnt[0]), int(f.hcnt[1])
+    back, coming = int(f.host.cnt[0]), int(f.host.cnt[1])
     write_back(g, f.wslot, f.wtab, f.wrow, f.cnt[0:1], back)
     try:
-        read(g, f.rslot, f.rtab, f.rrow, f.cnt[1:2], coming, f.htab, f.hrow)
+        read(g, f.rslot, f.rtab, f.rrow, f.cnt[1:2], coming, f.host.tab, f.host.row)
     finally:
         g.gathered.set()  # the rows going home wait no longer than the read (one that gathers nothing, or fails)
     settle(g, f.row, f.victim, f.tid)
