@@ -532,8 +532,11 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
     t0 = time.perf_counter()
     # a cache must not see a batch twice: the timed steps follow the warm-up on fresh batches
     sets = args.policy in ("lru", "lfu")
-    variants = 4 if sets else 1  # lru/lfu: split, mapped and staged reads, split without graphs, on one model
-    nsteps = max(args.steps, variants * args.rounds * args.per_round + 2 + (ALONE + 1 if sets else 0))
+    # ours' contenders (name, reads, graphs), on one model; lru/lfu: split, mapped and staged reads, split without graphs
+    variants = [("ours", "split", True)]
+    if sets:
+        variants += [("ours, mapped reads", "mapped", True), ("ours, staged reads", "staged", True), (STEPWISE, "split", False)]
+    nsteps = max(args.steps, len(variants) * args.rounds * args.per_round + 2 + (ALONE + 1 if sets else 0))
     big_b, small_b = make_batches(nsteps, T, n, small, B, k, seed=1)
     print(f"  index stream: {nsteps} batches in {time.perf_counter() - t0:.1f} s (ours never sees one twice)",
           flush=True)
@@ -583,11 +586,8 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
             j, at["next"] = at["next"], at["next"] + 1
             return model.train_step(big_b[j % nsteps], big_b[(j + 1) % nsteps])
         return step
-    contenders["ours"] = (variant("split"), args.per_round, B)
-    if variants == 4:
-        contenders["ours, mapped reads"] = (variant("mapped"), args.per_round, B)
-        contenders["ours, staged reads"] = (variant("staged"), args.per_round, B)
-        contenders[STEPWISE] = (variant("split", graphs=False), args.per_round, B)
+    for contender, reads, graphs in variants:
+        contenders[contender] = (variant(reads, graphs=graphs), args.per_round, B)
     print(f"  ours ready in {time.perf_counter() - t1:.1f} s ({args.warm_steps} warm-up steps on fresh batches)",
           flush=True)
 
@@ -630,8 +630,8 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
         j = at["next"]
         ours.timer = type(ours.timer)()
         ours.train_step(big_b[j % nsteps], None)  # takes the batch the last timed step prefetched
-        reads = {"ours": "split", "ours, mapped reads": "mapped", "ours, staged reads": "staged", STEPWISE: "split"}[best]
-        LF.GRAPHS = graphs_default and best != STEPWISE
+        reads, graphs = {c: (r, on) for c, r, on in variants}[best]
+        LF.GRAPHS = graphs_default and graphs
         res["apart"] = apart(ours, [big_b[(j + 1 + i) % nsteps] for i in range(ALONE)], reads)
         LF.GRAPHS = graphs_default
     cpu_ms = res["prefetch_cpu_ms_per_step"]
