@@ -168,8 +168,10 @@ def test_shares_cut_the_jobs_rows_in_order_into_nearly_equal_runs(sizes, parts):
     assert len(shares) <= parts and all(share for share in shares)
     rows = np.concatenate([r for _, r, _ in pieces]) if pieces else np.zeros(0, np.int64)
     assert np.array_equal(rows, np.concatenate([r for _, r, _ in jobs]) if jobs else rows)
-    for _, r, b in pieces:  # each slice of rows keeps its own slice of the block
-        assert b.shape[0] == r.size and any(np.shares_memory(b, jb) for _, _, jb in jobs)
+    for _, r, b in pieces:  # each slice of rows keeps its own slice of the block: the same job, the same offset
+        (jr, jb), = [(jr, jb) for _, jr, jb in jobs if r.size and np.shares_memory(r, jr)] or [(r, b)]
+        assert b.shape[0] == r.size and (not r.size or np.shares_memory(b, jb))
+        assert (r.ctypes.data - jr.ctypes.data) // jr.itemsize == (b.ctypes.data - jb.ctypes.data) // jb.strides[0]
     lengths = [sum(r.size for _, r, _ in share) for share in shares]
     assert not lengths or max(lengths) - min(lengths) <= 1
 
