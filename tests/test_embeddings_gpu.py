@@ -14,6 +14,7 @@ import subprocess
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import embeddings as E
 from cachedarrays.devices import gpu as gpu_device
@@ -106,6 +107,21 @@ def test_update_plan_groups_each_rows_entries_in_batch_order():
     assert p.NL == 2 and p.lstart.tolist() == [3, 1105] and p.lend.tolist() == [1104, 1145]
     assert reference.chunk_len(40) == 32 and reference.chunk_len(1101) == 34 and reference.chunk_len(1156) == 34
     assert p.lbase.tolist() == [0, -(-1101 // 34)] and p.NC == -(-1101 // 34) + 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 200), min_size=1, max_size=60), st.integers(1, 40))
+def test_the_long_row_bounds_hold_every_batch(runs, C):
+    """The bounds an update allocates for when the long rows' counts stay on the device are never
+    below the counts (runs of any lengths, each of a different row) and are reached: runs of
+    ``C + 1`` entries fill the first."""
+    from embeddings.gpu.backend import long_row_bounds
+    srow = np.repeat(np.arange(len(runs)), runs)
+    lstart, lend, lbase, NL, NC = ReferenceBackend._long_rows(srow, C)
+    most, chunks = long_row_bounds(srow.size, C)
+    assert NL <= most and NC <= chunks
+    tight = np.repeat(np.arange(len(runs)), C + 1)
+    assert ReferenceBackend._long_rows(tight, C)[3] == long_row_bounds(tight.size, C)[0] == len(runs)
 
 
 def test_long_rows_sum_in_chunks_whose_sums_add_in_chunk_order():
@@ -440,11 +456,17 @@ def _skewed_batch(rng, nvec: int, L: int):
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
 @pytest.mark.parametrize("opt", [E.SGD, E.RowwiseAdagrad])
-def test_gpu_update_equals_the_reference_bit_for_bit(opt):
+@pytest.mark.parametrize("counted_on", ["device", "host"])
+def test_gpu_update_equals_the_reference_bit_for_bit(opt, counted_on, monkeypatch):
     """The CUDA update kernels (short rows, chunked long rows, both optimizers, float4 and float
-    rows, int32/int64 and host/device indices, sum/mean/weighted) against the numpy reference."""
+    rows, int32/int64 and host/device indices, sum/mean/weighted) against the numpy reference,
+    with the long rows' counts left on the device (the kernels read them) and, when the chunk
+    sums of their bound would not fit the scratch allowed, counted on the host."""
     import cupy as cp
+    from embeddings.gpu import backend as B_
     from embeddings.gpu.backend import cuda_backend
+    if counted_on == "host":
+        monkeypatch.setattr(B_, "SCRATCH", 0)
     rng = np.random.default_rng(12)
     for F, mode, weighted, dtype in ((64, "sum", False, np.int32), (256, "mean", False, np.int64),
                                      (10, "sum", True, np.int64), (12, "mean", True, np.int32)):
@@ -466,6 +488,9 @@ def test_gpu_update_equals_the_reference_bit_for_bit(opt):
                 assert np.array_equal(state.get(), ref_state)
         plan = ops.plan(ReferenceBackend(), idx.reshape(-1))
         assert plan.NL >= 2 and plan.perm.size - plan.NL > 100  # long and short rows both ran
+        on_gpu = ops.plan(cuda_backend(), cp.asarray(idx.reshape(-1)), F)
+        assert (on_gpu.counts is not None) == (counted_on == "device")
+        assert on_gpu.sizes() == (plan.NL, plan.NC) and on_gpu.NL >= plan.NL and on_gpu.NC >= plan.NC
 
 
 @pytest.mark.gpu

@@ -411,7 +411,7 @@ def test_an_ensemble_and_the_flushes_and_invalidate():
 
 def test_an_ensemble_update_plans_every_table_with_one_wait_and_a_table_given_twice_updates_twice(monkeypatch):
     """The ensemble's update plans all its tables' batches together (one call for their long-row
-    counts: one wait on a GPU), each on the slots its lookup resolved. A cached table given twice
+    counts), each on the slots its lookup resolved. A cached table given twice
     resolves and plans each of its batches just before its update (resolving the second batch
     may move the first's rows), so both updates land as two separate updates would."""
     from embeddings.gpu.backend import ReferenceBackend
@@ -422,8 +422,8 @@ def test_an_ensemble_update_plans_every_table_with_one_wait_and_a_table_given_tw
     refs = [Reference(W) for W in Ws]
     counted = []
     long_rows = ReferenceBackend.long_rows
-    monkeypatch.setattr(ReferenceBackend, "long_rows", lambda self, srows, C: counted.append(len(srows))
-                        or long_rows(self, srows, C))
+    monkeypatch.setattr(ReferenceBackend, "long_rows", lambda self, srows, *a: counted.append(len(srows))
+                        or long_rows(self, srows, *a))
     for members, expect in (([0, 1, 2], [3]), ([0, 1, 0], [1, 1, 1])):
         ens = E.Ensemble([ts[i] for i in members])
         for _ in range(4):

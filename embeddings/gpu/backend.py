@@ -27,6 +27,9 @@ from . import cuda, reference
 
 
 SMALL = 1 << 16  # bytes: arrays up to this size come to the host through a page-locked block
+# bytes of chunk sums an update may allocate for the most long rows its batch allows rather than
+# wait for their count (a DLRM table's batch of 327,680 entries, rows of 64 floats: 5 MB)
+SCRATCH = 16 << 20
 
 
 def size_class(nbytes: int) -> int:
@@ -44,13 +47,32 @@ class Plan:
     """An update's plan: ``perm`` sorts the batch positions by row (stable), ``srow[q]`` is the row
     of sorted entry ``q``, so each row's entries are a run of equal ``srow``; the runs of more than
     ``reference.CHUNK`` entries (long rows) are ``[lstart[s], lend[s])`` with their chunk sums at
-    ``lbase[s]...``; ``NL`` long rows and ``NC`` chunk sums in all."""
+    ``lbase[s]...``; ``NL`` long rows and ``NC`` chunk sums in all. With ``counts`` (a one-element
+    device array, ``NL << 40 | NC``) the two numbers stay on the device, where the update's
+    kernels read them, and ``NL`` and ``NC`` are their bounds: planning then does not wait for
+    the GPU (beside a prefetch that wait cost the DLRM step's update about 1 ms on the H100)."""
 
-    __slots__ = ("perm", "srow", "lstart", "lend", "lbase", "NL", "NC")
+    __slots__ = ("perm", "srow", "lstart", "lend", "lbase", "NL", "NC", "counts")
 
-    def __init__(self, perm, srow, lstart, lend, lbase, NL: int, NC: int) -> None:
+    def __init__(self, perm, srow, lstart, lend, lbase, NL: int, NC: int, counts: Any = None) -> None:
         self.perm, self.srow, self.lstart, self.lend, self.lbase = perm, srow, lstart, lend, lbase
-        self.NL, self.NC = NL, NC
+        self.NL, self.NC, self.counts = NL, NC, counts
+
+    def sizes(self) -> tuple[int, int]:
+        """The number of long rows and of chunk sums (read from the device, a wait, when they are there)."""
+        if self.counts is None:
+            return self.NL, self.NC
+        x = int(self.counts.get()[0])
+        return x >> 40, x & ((1 << 40) - 1)
+
+
+def long_row_bounds(L: int, C: int) -> tuple[int, int]:
+    """The most long rows (runs of more than ``C`` equal entries) ``L`` sorted entries can hold,
+    ``L // (C + 1)``, and the most chunk sums they can need: a run of ``n`` has ``ceil(n / cl)``
+    chunks of ``cl >= C`` entries (:func:`.reference.chunk_len`), at most ``ceil(n / C)``, and the
+    runs' lengths add up to at most ``L``."""
+    most = L // (C + 1)
+    return most, (L + most * (C - 1)) // C
 
 
 class ReferenceBackend:
@@ -166,9 +188,10 @@ class ReferenceBackend:
     def sorted_rows(self, idx, perm) -> np.ndarray:
         return idx[perm]
 
-    def long_rows(self, srows: list, C: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, int, int]]:
+    def long_rows(self, srows: list, C: int, F: int | None = None) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, int, int]]:
         """For each sorted batch: (first entries, ends and first chunk sums of the runs of more
-        than ``C`` entries, how many, chunk sums in all), in row order."""
+        than ``C`` entries, how many, chunk sums in all), in row order (counted on the host,
+        whatever the row size ``F``)."""
         return [self._long_rows(srow, C) for srow in srows]
 
     @staticmethod
@@ -482,18 +505,23 @@ class CudaBackend:
         cuda.kernel(name)(*cuda.grid_1d(perm.size), (idx, perm, np.int64(perm.size), srow))
         return srow
 
-    def long_rows(self, srows: list, C: int) -> list[tuple[Any, Any, Any, int, int]]:
-        """Each sorted batch's long rows' runs, in slot order; one sync for all their counts."""
+    def long_rows(self, srows: list, C: int, F: int | None = None) -> list[tuple]:
+        """Each sorted batch's long rows' runs, in slot order. Their counts stay on the device
+        (:attr:`Plan.counts`), with bounds for the host (:func:`long_row_bounds`), when chunk sums
+        of ``F`` floats for the bounds fit in :data:`SCRATCH` bytes for every batch; otherwise (or
+        without ``F``) the host waits once for all the counts."""
         cp = self.xp
         counter = cp.zeros(len(srows), cp.uint64)
-        runs = []
+        runs, bounds = [], []
         for i, srow in enumerate(srows):
             L = int(srow.size)
-            cap = L // (C + 1) + 1
-            lstart, lend, lbase = (cp.empty(cap, cp.int64) for _ in range(3))
+            lstart, lend, lbase = (cp.empty(L // (C + 1) + 1, cp.int64) for _ in range(3))
             name = "long_rows_i32" if srow.dtype == np.int32 else "long_rows_i64"
             cuda.kernel(name)(*cuda.grid_1d(L), (srow, np.int64(L), np.int64(C), counter[i:], lstart, lend, lbase))
             runs.append((lstart, lend, lbase))
+            bounds.append(long_row_bounds(L, C))
+        if F is not None and all(nc * F * 4 <= SCRATCH for _, nc in bounds):
+            return [(*r, *b, counter[i:i + 1]) for i, (r, b) in enumerate(zip(runs, bounds))]
         packed = [int(x) for x in self.to_host(counter)]
         return [(*r, x >> 40, x & ((1 << 40) - 1)) for r, x in zip(runs, packed)]
 
@@ -509,16 +537,16 @@ class CudaBackend:
         common = (cuda.ptr(off), np.int64(B), np.int64(k), cuda.ptr(w), np.int32(mean))
         step = (np.int32(opt), np.float32(lr), np.float32(eps))
         gstride = np.int64(grad.strides[0] // (16 if v4 else 4))
-        if plan.NL:
+        if plan.NL:  # with counts on the device: grids for the bounds, the kernels' own counts inside
             P = self.xp.empty((plan.NC, F), np.float32)
             cuda.kernel(f"chunk_sums_{vt}")(
                 (-(-plan.NC // rows),), (g, rows),
                 (P, np.int32(FT), grad, gstride, plan.perm, plan.lstart, plan.lend, plan.lbase, np.int64(plan.NL),
-                 np.int64(plan.NC), C) + common)
+                 np.int64(plan.NC), cuda.ptr(plan.counts), C) + common)
             cuda.kernel(f"update_long_{suffix}")(
                 (-(-plan.NL // rows),), (g, rows),
                 (W, np.int32(FT), np.int32(F), cuda.ptr(state), P, plan.srow, plan.lstart, plan.lend, plan.lbase,
-                 np.int64(plan.NL), C) + step)
+                 np.int64(plan.NL), cuda.ptr(plan.counts), C) + step)
         cuda.kernel(f"update_short_{suffix}")(
             (-(-L // rows),), (g, rows),
             (W, np.int32(FT), np.int32(F), cuda.ptr(state), grad, gstride, plan.srow, plan.perm, np.int64(L), C)

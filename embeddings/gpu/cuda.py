@@ -253,12 +253,21 @@ __device__ void update_short_body(T* W, int FT, int F, float* state, const T* gr
     apply_row(W, FT, F, state, opt, lr, eps, r, active, src);
 }
 
+/* NL long rows and NC chunk sums: the numbers given, or (counts not null: those are bounds) the plan's own. */
+__device__ __forceinline__ void long_counts(const u64* counts, i64& NL, i64& NC) {
+    if (!counts) return;
+    u64 x = *counts;
+    NL = (i64)(x >> 40);
+    NC = (i64)(x & (((u64)1 << 40) - 1));
+}
+
 /* Chunk j of the long rows (slot: the last with lbase[slot] <= j) into P[j]. */
 template <typename T>
 __device__ void chunk_sums_body(T* P, int FT, const T* grad, i64 gstride, const i64* perm, const i64* lstart,
-                                const i64* lend, const i64* lbase, i64 NL, i64 NC, i64 C, const i64* off, i64 B,
-                                i64 k, const float* w, int mean) {
+                                const i64* lend, const i64* lbase, i64 NL, i64 NC, const u64* counts, i64 C,
+                                const i64* off, i64 B, i64 k, const float* w, int mean) {
     i64 j = (i64)blockIdx.x * blockDim.y + threadIdx.y;
+    long_counts(counts, NL, NC);
     if (j >= NC) return;
     i64 lo = 0, hi = NL;
     while (hi - lo > 1) { i64 m = (lo + hi) >> 1; if (lbase[m] <= j) lo = m; else hi = m; }
@@ -272,8 +281,10 @@ __device__ void chunk_sums_body(T* P, int FT, const T* grad, i64 gstride, const 
 /* Long row of slot sl: its chunk sums in order, then the optimizer step. */
 template <typename T, typename I>
 __device__ void update_long_body(T* W, int FT, int F, float* state, const T* P, const I* srow, const i64* lstart,
-                                 const i64* lend, const i64* lbase, i64 NL, i64 C, int opt, float lr, float eps) {
-    i64 sl = (i64)blockIdx.x * blockDim.y + threadIdx.y;
+                                 const i64* lend, const i64* lbase, i64 NL, const u64* counts, i64 C, int opt,
+                                 float lr, float eps) {
+    i64 sl = (i64)blockIdx.x * blockDim.y + threadIdx.y, NC = 0;
+    long_counts(counts, NL, NC);
     bool active = sl < NL;
     i64 r = 0, c0 = 0, nch = 0;
     if (active) {
@@ -301,8 +312,9 @@ extern "C" __global__ void update_short_##SUFFIX(T* W, int FT, int F, float* sta
         float lr, float eps) { \
     update_short_body<T, I>(W, FT, F, state, grad, gstride, srow, perm, L, C, off, B, k, w, mean, opt, lr, eps); } \
 extern "C" __global__ void update_long_##SUFFIX(T* W, int FT, int F, float* state, const T* P, const I* srow, \
-        const i64* lstart, const i64* lend, const i64* lbase, i64 NL, i64 C, int opt, float lr, float eps) { \
-    update_long_body<T, I>(W, FT, F, state, P, srow, lstart, lend, lbase, NL, C, opt, lr, eps); }
+        const i64* lstart, const i64* lend, const i64* lbase, i64 NL, const u64* counts, i64 C, int opt, float lr, \
+        float eps) { \
+    update_long_body<T, I>(W, FT, F, state, P, srow, lstart, lend, lbase, NL, counts, C, opt, lr, eps); }
 UPDATE(v4_i32, float4, int)
 UPDATE(v4_i64, float4, i64)
 UPDATE(v1_i32, float, int)
@@ -310,9 +322,9 @@ UPDATE(v1_i64, float, i64)
 
 #define CHUNKS(NAME, T) \
 extern "C" __global__ void NAME(T* P, int FT, const T* grad, i64 gstride, const i64* perm, const i64* lstart, \
-        const i64* lend, const i64* lbase, i64 NL, i64 NC, i64 C, const i64* off, i64 B, i64 k, const float* w, \
-        int mean) { \
-    chunk_sums_body<T>(P, FT, grad, gstride, perm, lstart, lend, lbase, NL, NC, C, off, B, k, w, mean); }
+        const i64* lend, const i64* lbase, i64 NL, i64 NC, const u64* counts, i64 C, const i64* off, i64 B, i64 k, \
+        const float* w, int mean) { \
+    chunk_sums_body<T>(P, FT, grad, gstride, perm, lstart, lend, lbase, NL, NC, counts, C, off, B, k, w, mean); }
 CHUNKS(chunk_sums_v4, float4)
 CHUNKS(chunk_sums_v1, float)
 

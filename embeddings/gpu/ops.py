@@ -10,7 +10,7 @@ the table is written. On a flag the host copies go through ``make_bags`` for the
 and message (table, position, value). A lookup of a host batch does not synchronise at all.
 
 An update sorts the batch positions by row (stable, so a row's entries stay in batch order),
-finds the long rows (one sync for their count: the plan's only one), and runs fused
+finds the long rows (their count stays on the device, read there by the kernels), and runs fused
 accumulate-and-apply kernels: no table gradient is materialised, duplicates accumulate in a fixed
 order (long rows in chunks, :mod:`.cuda`), deterministically.
 """
@@ -271,19 +271,20 @@ def prepare_pullback(be, name: str, nvectors: int, F: int, grad: Any, indices: A
     return PreparedUpdate(bags, g, pending)
 
 
-def plans(be, idxs: list) -> list[Plan]:
-    """The update plan of each batch's flat indices (:class:`~.backend.Plan`): a stable argsort,
-    the sorted rows, and the long rows, whose counts are the plans' one synchronisation (one
-    for all the batches: a wait per table would idle the GPU while the host launches the next)."""
+def plans(be, idxs: list, F: int | None = None) -> list[Plan]:
+    """The update plan of each batch's flat indices (:class:`~.backend.Plan`): a stable argsort
+    (one sort for all the batches), the sorted rows, and the long rows, queued without waiting
+    for the GPU when the update's rows of ``F`` floats allow it (:meth:`~.backend.CudaBackend.long_rows`;
+    else one wait for all the batches)."""
     perms = be.argsorts(idxs)
     srows = [be.sorted_rows(idx, perm) for idx, perm in zip(idxs, perms)]
-    runs = be.long_rows(srows, reference.CHUNK)
+    runs = be.long_rows(srows, reference.CHUNK, F)
     return [Plan(perm, srow, *r) for perm, srow, r in zip(perms, srows, runs)]
 
 
-def plan(be, idx: Any) -> Plan:
+def plan(be, idx: Any, F: int | None = None) -> Plan:
     """:func:`plans` of one batch."""
-    return plans(be, [idx])[0]
+    return plans(be, [idx], F)[0]
 
 
 def needs_plan(prep: PreparedUpdate, F: int) -> bool:
@@ -298,8 +299,8 @@ def apply_pullback(be, W: Any, state: Any, prep: PreparedUpdate, optimizer: Any,
     if not needs_plan(prep, W.shape[1]):
         confirm(be, [prep.pending])
         return
-    p = plan(be, bags.idx) if p is None else p
-    confirm(be, [prep.pending])  # the plan synchronised: the flags are final
+    p = plan(be, bags.idx, W.shape[1]) if p is None else p
+    confirm(be, [prep.pending])
     be.update(W, state, prep.grad, p, bags.off, bags.nout, max(bags.k, 1), bags.w, bags.mean,
               optimizer.code, float(optimizer.lr), float(optimizer.eps))
 

@@ -197,13 +197,13 @@ def ensemble_pullback(tables: list, grad: Any, indices, offsets, mode, weights, 
              for n, (t, i, o, w) in enumerate(zip(tables, indices, offsets, weights))]
     ops.confirm(be, [p.pending for p in preps])
     preps = [replace(p, pending=None) for p in preps]  # confirmed
-    # Every table planned with one wait for all. A cached table resolves its batch first (its
+    # Every table planned at once (one sort). A cached table resolves its batch first (its
     # lookup's resolution); one given twice resolves and plans each batch just before its update,
     # since resolving the second may move the first's rows.
     once = [not _cached(t) or sum(u is t for u in tables) == 1 for t in tables]
     preps = [cached.resolved(t, p) if _cached(t) and o else p for t, p, o in zip(tables, preps, once)]
     ready = [n for n, (p, o) in enumerate(zip(preps, once)) if o and ops.needs_plan(p, F)]
-    plans = dict(zip(ready, ops.plans(be, [preps[n].bags.idx for n in ready])))
+    plans = dict(zip(ready, ops.plans(be, [preps[n].bags.idx for n in ready], F)))
     for n, (t, p, o) in enumerate(zip(tables, preps, once)):
         if _cached(t):
             cached.run(t, p if o else cached.resolved(t, p), optimizer, plans.get(n))
