@@ -518,9 +518,10 @@ def test_gpu_device_batch_errors_leave_outputs_and_tables_unwritten():
 @pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
 def test_pull_and_small_to_host_bring_the_devices_bytes_through_the_mapped_address():
     """`CudaBackend.pull` (a kernel storing into page-locked memory: words where aligned, else
-    bytes) and `to_host` of small arrays give the device's values, whatever the type, size and
-    layout; a size mismatch, or host memory that is not page-locked, is refused before anything
-    is written."""
+    bytes; the first elements only, as many as a device count says) and `to_host` of small
+    arrays give the device's values, whatever the type, size and layout; a size mismatch, host
+    memory that is not page-locked, or a count over elements that are not words is refused
+    before anything is written."""
     import cupy as cp
     from embeddings.gpu.backend import cuda_backend
     be = cuda_backend()
@@ -547,4 +548,13 @@ def test_pull_and_small_to_host_bring_the_devices_bytes_through_the_mapped_addre
     with pytest.raises(ValueError, match="pull: the host array must be page-locked"):
         be.pull(pageable, cp.arange(4, dtype=cp.int64))
     assert pageable.tolist() == [-1] * 4
+    src = cp.arange(10, 16, dtype=cp.int64)
+    for count, expect in ((3, [10, 11, 12, -1, -1, -1]), (0, [-1] * 6), (9, list(range(10, 16)))):
+        bounded = be.bounce((6,), np.int64)  # only the first `count` (a device number) stored
+        bounded[:] = -1
+        be.pull(bounded, src, cp.asarray([count], cp.int64))
+        be.wait(be.fence())
+        assert bounded.tolist() == expect
+    with pytest.raises(ValueError, match="pull: a device count bounds arrays of 8-byte elements, got int32"):
+        be.pull(be.bounce((4,), np.int32), cp.arange(4, dtype=cp.int32), cp.asarray([2], cp.int64))
     assert be.to_host(cp.arange(3)).tolist() == [0, 1, 2]  # the device is still fine

@@ -252,13 +252,15 @@ class CudaBackend:
         self.wait(self.fence())
         return host
 
-    def pull(self, dst: np.ndarray, src: Any) -> None:
+    def pull(self, dst: np.ndarray, src: Any, count: Any = None) -> None:
         """Copy contiguous device ``src`` into page-locked host ``dst`` on the current stream,
         without waiting, by a kernel that stores through ``dst``'s mapped address (unified
         addressing: the host pointer): no copy engine. A :meth:`download` queues behind the
         transfers of its direction already queued on any stream (one engine takes them in turn):
         on the H100 a placement's count of rows waited 2.3 ms behind the 125 MB of its rows
-        going home. For what is small and needed now: the stores cross PCIe at a few GB/s."""
+        going home. For what is small and needed now: the stores cross PCIe at a few GB/s.
+        ``count`` (a device int64, arrays of 8-byte elements only): copy only the first
+        ``count`` elements, a length known on the device alone (queued work may set it)."""
         nbytes = int(src.nbytes)
         if nbytes == 0:
             return
@@ -269,9 +271,12 @@ class CudaBackend:
             raise ValueError("pull: the host array must be page-locked (pinned or bounce), or the kernel's stores "
                              "would fault the device")
         words = nbytes % 8 == 0 and src.data.ptr % 8 == 0 and dst.ctypes.data % 8 == 0
+        if count is not None and not (words and src.itemsize == 8):
+            raise ValueError(f"pull: a device count bounds arrays of 8-byte elements, got {src.dtype}")
         n = nbytes // 8 if words else nbytes
+        args = (src, np.uint64(dst.ctypes.data), np.int64(n))
         cuda.kernel("pull_u64" if words else "pull_u8")(*cuda.grid_1d(n, most=1024),
-                                                        (src, np.uint64(dst.ctypes.data), np.int64(n)))
+                                                        args + (cuda.ptr(count),) if words else args)
 
     def flags(self, n: int) -> np.ndarray:
         """``n`` zeroed int32 flags in page-locked host memory that kernels write through its mapped

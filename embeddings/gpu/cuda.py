@@ -381,9 +381,11 @@ CHECK(check_i32, int)
 CHECK(check_i64, i64)
 
 /* n words (or bytes) of device memory into page-locked host memory through its mapped address:
-   stores over PCIe, which queue behind no copy-engine transfer (CudaBackend.pull) */
-extern "C" __global__ void pull_u64(const u64* src, u64* dst, i64 n) {
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) dst[i] = src[i];
+   stores over PCIe, which queue behind no copy-engine transfer (CudaBackend.pull); words: only the
+   first min(*count, n) when count is not null (a length the device holds) */
+extern "C" __global__ void pull_u64(const u64* src, u64* dst, i64 n, const i64* count) {
+    i64 m = count && *count < n ? *count : n;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < m; i += (i64)gridDim.x * blockDim.x) dst[i] = src[i];
 }
 extern "C" __global__ void pull_u8(const unsigned char* src, unsigned char* dst, i64 n) {
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) dst[i] = src[i];

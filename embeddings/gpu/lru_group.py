@@ -173,13 +173,6 @@ extern "C" __global__ void NAME(const i64* slot, const i64* tab, i64 n, int FT, 
 TB_PUT(tb_put_v4, float4)
 TB_PUT(tb_put_v1, float)
 
-/* dst[i] = src[i] below min(*count, n) (n when count is null), into page-locked host memory
-   through its mapped address */
-extern "C" __global__ void tb_pull(const i64* src, const i64* count, i64 n, i64* dst) {
-    i64 m = count && *count < n ? *count : n;
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < m; i += (i64)gridDim.x * blockDim.x) dst[i] = src[i];
-}
-
 /* every table's left-out flag (counts[4]) cleared: a placement's first step */
 extern "C" __global__ void tb_unleft(const i64* tabs, int T) {
     int t = blockIdx.x * blockDim.x + threadIdx.x;
@@ -619,19 +612,14 @@ def front(g: Group, idx: Any, xp: Any, counted: bool = True, hosts: HostSide | N
     if g.host:
         h = HostSide(cnt, rtab, rrow)
     else:
-        n = int(idx.size)
-        h = host_side(g, n, g.tables[0].backend.bounce) if hosts is None else hosts
-        _pull(cnt, None, 2, h.cnt)
-        if h.tab is not None:
-            _pull(rtab, cnt[1:], n, h.tab)
-            _pull(rrow, cnt[1:], n, h.row)
+        be = g.tables[0].backend
+        h = host_side(g, int(idx.size), be.bounce) if hosts is None else hosts
+        be.pull(h.cnt, cnt)
+        if h.tab is not None:  # the rows coming in, which the device alone has counted
+            be.pull(h.tab, rtab, cnt[1:])
+            be.pull(h.row, rrow, cnt[1:])
     return Front(slot, sk, order, first, row, victim, tid, cnt, victim[out], tid[out], old[out], victim[into],
                  rtab, rrow, h)
-
-
-def _pull(src: Any, count: Any, n: int, dst: np.ndarray) -> None:
-    """``dst[:min(count, n)] = src``: device int64 into page-locked host memory, by a kernel."""
-    _launch("tb_pull", n, (src, cuda.NULL if count is None else count, np.int64(n), np.uint64(dst.ctypes.data)), 1024)
 
 
 def place(g: Group, idx: Any, xp: Any, counted: bool = True) -> Front:
