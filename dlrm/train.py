@@ -339,6 +339,7 @@ def run(args) -> dict:
 
         def keep(step: int) -> None:
             """A checkpoint file and/or a durable point of the pool at ``step``."""
+            model.finish()  # the next batch's prefetch lands first (and raises what went wrong in it)
             with model.timer("checkpoint"):
                 if args.save:
                     checkpoint.save(args.save, model, step, extra={"policy": args.policy})
