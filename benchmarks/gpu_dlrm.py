@@ -41,7 +41,10 @@ floor (the 0.8x target's line says what ratio it leaves); and what the prefetch 
 costs (:func:`gil_probe`): its CPU time a step (the tables' ``prefetch_cpu_s``), and the in-HBM
 step with a second thread doing that much pure Python beside it, or as much GIL-free work; every
 round's samples/s, and how many placement fronts the timed rounds replayed as CUDA graphs, captured
-or ran step by step (:data:`embeddings.gpu.lru_front.COUNTS`). Targets:
+or ran step by step (:data:`embeddings.gpu.lru_front.COUNTS`), and as many of ours' updates
+(:data:`embeddings.gpu.update_graph.COUNTS`; the in-HBM model's tables update kernel by kernel).
+Ours' phase "prefetch" includes waiting for the previous placement, which runs until then
+(:meth:`dlrm.DLRM.train_step`). Targets:
 hit rate >= 80%; ours >= 0.8x the in-HBM samples/s; ours >= 3x the PyTorch-CPU-tables samples/s.
 
 Part 2, the facebookresearch DLRM reference layout (b) on the GPU: 8 x 1M rows, F=64, 100
@@ -153,19 +156,24 @@ def fill(arrays, seed: int, workers: int = 16) -> None:
 
 # ------------------------------------------------------------------ timing
 def rounds(contenders: dict, nrounds: int, each: dict | None = None) -> dict:
-    """``contenders[name] = (step(j), steps per round, batch size)``: the median samples/s of
-    the rounds, contenders alternating inside every round (order reversed every other round);
-    every round's samples/s go into ``each[name]`` when given (how much the host varied)."""
+    """``contenders[name] = (step(j), steps per round, batch size[, end()])``: the median
+    samples/s of the rounds, contenders alternating inside every round (order reversed every
+    other round); ``end``, when given, runs at the end of each of the contender's rounds, timed
+    with it (what its last step left running: ours' prefetch of the next batch, which must not
+    run beside the next contender's round); every round's samples/s go into ``each[name]`` when
+    given (how much the host varied)."""
     names = list(contenders)
     got = {n: [] for n in names}
     pos = {n: 0 for n in names}
     for r in range(nrounds):
         for n in (names if r % 2 == 0 else names[::-1]):
-            step, per_round, B = contenders[n]
+            step, per_round, B, *end = contenders[n]
             t0 = time.perf_counter()
             for _ in range(per_round):
                 step(pos[n])
                 pos[n] += 1
+            for f in end:
+                f()
             got[n].append(per_round * B / (time.perf_counter() - t0))
     if each is not None:
         each.update(got)
@@ -515,7 +523,7 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
     from dlrm import DLRMConfig
     from dlrm import gpu as G
     from dlrm.placement import cache_rows, hitrate, reset_counters
-    from embeddings.gpu import lru_front as LF
+    from embeddings.gpu import lru_front as LF, update_graph as UG
 
     graphs_default = LF.GRAPHS
 
@@ -587,7 +595,7 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
             return model.train_step(big_b[j % nsteps], big_b[(j + 1) % nsteps])
         return step
     for contender, reads, graphs in variants:
-        contenders[contender] = (variant(reads, graphs=graphs), args.per_round, B)
+        contenders[contender] = (variant(reads, graphs=graphs), args.per_round, B, ours.finish)
     print(f"  ours ready in {time.perf_counter() - t1:.1f} s ({args.warm_steps} warm-up steps on fresh batches)",
           flush=True)
 
@@ -600,9 +608,11 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
 
     res["samples_per_s_each_round"] = {}
     LF.COUNTS.clear()
+    UG.COUNTS.clear()
     sps = rounds(contenders, args.rounds, res["samples_per_s_each_round"])
     LF.GRAPHS = graphs_default
     res["placement_fronts"] = dict(LF.COUNTS)  # in the timed rounds: how many were replayed, captured, run step by step
+    res["update_graphs"] = dict(UG.COUNTS)  # and how many updates of ours were replayed, captured, run kernel by kernel
     res["samples_per_s"] = sps
     steps = at["next"]  # ours' steps, every variant
     rates = [hitrate(t) for t in ours.tables]
@@ -649,6 +659,8 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
                 ["trainer", "samples/s", "ms/step", "x in-HBM", "x torch CPU tables"], rows)
     if res["placement_fronts"]:
         print("  placement fronts in the timed rounds: " + ", ".join(f"{k_} {v}" for k_, v in res["placement_fronts"].items()))
+    if res["update_graphs"]:
+        print("  updates of ours in the timed rounds: " + ", ".join(f"{k_} {v}" for k_, v in res["update_graphs"].items()))
     print("  ms/step of each round (in the order run): " + "; ".join(
         f"{name} " + " ".join(f"{1e3 * B / v:.1f}" for v in each) for name, each in res["samples_per_s_each_round"].items()))
     targets = {}

@@ -1320,16 +1320,17 @@ def test_the_gil_probe_runs_each_side_work_beside_every_step_and_stops_its_threa
 
 def test_the_benchmarks_rounds_alternate_the_contenders_and_keep_every_rounds_rate():
     """``gpu_dlrm.rounds``: each contender runs its steps per round in every round, the order
-    reversed every other round, each step index once; the medians come back and, when asked,
-    every round's samples/s (how much the host varied)."""
+    reversed every other round, each step index once, then its end of round when it has one;
+    the medians come back and, when asked, every round's samples/s (how much the host varied)."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks import gpu_dlrm as GD
     calls, each = [], {}
-    got = GD.rounds({"a": (lambda j: calls.append(("a", j)), 2, 10), "b": (lambda j: calls.append(("b", j)), 1, 10)},
-                    3, each)
-    assert calls == [("a", 0), ("a", 1), ("b", 0), ("b", 1), ("a", 2), ("a", 3), ("a", 4), ("a", 5), ("b", 2)]
+    got = GD.rounds({"a": (lambda j: calls.append(("a", j)), 2, 10),
+                     "b": (lambda j: calls.append(("b", j)), 1, 10, lambda: calls.append("b ends"))}, 3, each)
+    assert calls == [("a", 0), ("a", 1), ("b", 0), "b ends", ("b", 1), "b ends", ("a", 2), ("a", 3), ("a", 4), ("a", 5),
+                     ("b", 2), "b ends"]
     assert set(each) == set(got) == {"a", "b"} and all(len(v) == 3 for v in each.values())
     assert all(got[n] == sorted(each[n])[1] for n in got)
 
@@ -1439,3 +1440,102 @@ def test_a_placements_front_replayed_as_a_cuda_graph_makes_the_same_decisions(mo
             eager, eager_runs = trace_tables(gm, True, reads=reads, own_stream=True)
             assert runs == eager_runs
             assert_same_traces(graphs, eager)
+
+
+def test_update_graph_entries_are_kept_per_ensemble_and_arguments_and_only_plain_lru_updates_take_one(monkeypatch):
+    """:mod:`.update_graph` keeps one entry per ensemble and everything its kernels take (a new
+    learning rate is a new entry, so a rate that changes every step never captures), at most
+    ``MAX_UPDATES`` (the least recently used dropped first), and drops those of a forgotten
+    (closed) or collected table. Only an ensemble of ``lru`` tables, each given once, without
+    staged rows, with fixed-size bags whose chunk sums fit the scratch, on a device, takes one."""
+    import gc
+    import types
+    from embeddings.gpu import backend as BK, update_graph as UG
+    monkeypatch.setattr(UG, "_entries", type(UG._entries)())
+    monkeypatch.setattr(UG, "MAX_UPDATES", 2)
+
+    class Table:  # what an entry reads of a table
+        update_graphs = True
+
+        def __init__(self, at):
+            self._W = self._dirty = types.SimpleNamespace(data=types.SimpleNamespace(ptr=at))
+            self._staged = np.zeros(0, np.int64)
+
+    def prep(n, off=None, w=None):
+        return types.SimpleNamespace(bags=types.SimpleNamespace(idx=np.zeros(n, np.int32), off=off, w=w, k=4,
+                                                                  mean=False, nout=n // 4))
+
+    grad = np.zeros((8, 2, 4), np.float32)
+    ts, preps = [Table(1), Table(2)], [prep(32), prep(32)]
+    a = UG._entry(ts, np, grad, preps, [None, None], E.SGD(0.1))
+    assert UG._entry(ts, np, grad, preps, [None, None], E.SGD(0.1)) is a and a.grad.shape == (8, 2, 4)
+    assert [i.size for i in a.idx] == [32, 32] and a.graph is None and not a.failed
+    b = UG._entry(ts, np, grad, preps, [None, None], E.SGD(0.2))  # another learning rate
+    assert b is not a and UG._entry(ts[:1], np, grad[:, :1], preps[:1], [None], E.SGD(0.2)) is not b
+    assert len(UG._entries) == 2 and a not in UG._entries.values()  # the least recently used went
+    UG.forget(ts[1])
+    assert len(UG._entries) == 1 and not any(e.holds(ts[1]) for e in UG._entries.values())
+    gone = Table(3)
+    UG._entry([gone], np, grad[:, :1], preps[:1], [None], E.SGD(0.1))
+    del gone
+    gc.collect()
+    kept = UG._entry(ts[:1], np, grad[:, :1], preps[:1], [None], E.SGD(0.2))
+    assert list(UG._entries.values()) == [kept] and kept.alive()  # the collected table's entry went
+
+    dev = types.SimpleNamespace(flags=types.SimpleNamespace(c_contiguous=True))  # a device gradient
+    assert UG.eligible(ts, dev, preps, 4)
+    assert not UG.eligible(ts, grad, preps, 4)  # host arrays: the numpy forms
+    assert not UG.eligible([ts[0], ts[0]], dev, preps, 4)  # a table given twice
+    assert not UG.eligible(ts, dev, [prep(32), prep(32, off=np.arange(9))], 4)
+    assert not UG.eligible(ts, dev, [prep(32), prep(32, w=np.ones(32))], 4)
+    assert not UG.eligible(ts, dev, [prep(32), prep(0)], 4)
+    big = BK.SCRATCH // (4 * 4) * 40  # a batch whose chunk sums for the most long rows would not fit
+    assert not UG.eligible(ts, dev, [prep(32), prep(big)], 4) and UG.eligible(ts, dev, [prep(32), prep(big)], 0)
+    ts[1]._staged = np.arange(2)
+    assert not UG.eligible(ts, dev, preps, 4)
+    ts[1]._staged = np.zeros(0, np.int64)
+    monkeypatch.setattr(UG, "GRAPHS", False)
+    assert not UG.eligible(ts, dev, preps, 4)
+    plain = types.SimpleNamespace(update_graphs=False, _staged=np.zeros(0))
+    monkeypatch.setattr(UG, "GRAPHS", True)
+    assert not UG.eligible([ts[0], plain], dev, preps, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
+@pytest.mark.parametrize("opt", ["sgd", "adagrad"])
+def test_an_ensembles_update_replayed_as_a_cuda_graph_equals_the_uncached_tables_bit_for_bit(monkeypatch, opt):
+    """An ensemble of lru tables in the DLRM step's order (lookup, the next batch's prefetch on its
+    thread, update, join): with the update captured once and replayed every later step, and
+    with it run kernel by kernel, every table equals the uncached GPU table bit for bit."""
+    from embeddings.gpu import update_graph as UG
+    from embeddings.gpu.backend import cuda_backend
+    make = (lambda: E.SGD(0.1)) if opt == "sgd" else (lambda: E.RowwiseAdagrad(0.1))
+    for graphs in (True, False):
+        monkeypatch.setattr(UG, "GRAPHS", graphs)
+        monkeypatch.setattr(UG, "COUNTS", type(UG.COUNTS)())
+        rng = np.random.default_rng(31)
+        Ws = [rng.standard_normal((3000, 16)).astype(np.float32) for _ in range(3)]
+        batches = [[zipf_batch(rng, 64, 4, 3000) for _ in Ws] for _ in range(9)]
+        with gpu_manager() as m:
+            ts = [LRUCachedEmbeddings(W, m, cache_rows=1024, ways=8, name=f"t{i}") for i, W in enumerate(Ws)]
+            refs = [Reference(W, cuda_backend()) for W in Ws]
+            ens, ours, theirs = E.Ensemble(ts), make(), make()
+            for step in range(8):
+                got = _host(ens.lookup(batches[step]))
+                for n, r in enumerate(refs):
+                    assert np.array_equal(got[:, n], r.lookup(batches[step][n]).get()), (graphs, step)
+                pending = prefetcher.start(ts, [b.ravel() for b in batches[step + 1]], None)
+                g = rng.standard_normal(got.shape).astype(np.float32)
+                ens.pullback(g, batches[step], optimizer=ours)
+                prefetcher.finish(pending)
+                for n, r in enumerate(refs):
+                    r.pullback(g[:, n], batches[step][n], optimizer=theirs)
+            for t, r in zip(ts, refs):
+                t.check()
+                assert np.array_equal(contents(t), r.W.get()), graphs
+                t.close()
+        if graphs:
+            assert UG.COUNTS["captured"] == 1 and UG.COUNTS["replayed"] >= 5, dict(UG.COUNTS)
+        else:
+            assert not UG.COUNTS

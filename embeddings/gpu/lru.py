@@ -64,6 +64,7 @@ from . import ops
 from .backend import ReferenceBackend, cuda_backend
 from .cached import STAGING_ROWS, DeviceCache, host_base
 from . import lru_front as LF, lru_group as LG
+from . import update_graph as UG
 from . import lru_kernels as LK
 from .hbm import DeviceArrays
 
@@ -98,6 +99,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
     ways."""
 
     _inflight: threading.Event | None = None  # set when a background prefetch has finished
+    update_graphs = True  # an ensemble's update of these tables may be one CUDA graph (:mod:`.update_graph`)
     _home: Future | None = None  # the rows the last placement sent home, landing (:func:`.lru_group.drain`)
     _validated: tuple | None = None  # (validated indices, the prefetched placement they equal), for _take_ahead
 
@@ -562,6 +564,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         """Write everything back, then free the device arrays and undo host mappings."""
         self._join()
         LF.forget(self)
+        UG.forget(self)
         if not self._pins:
             return
         if getattr(self, "_hbase", None) is not None:

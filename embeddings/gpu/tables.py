@@ -19,7 +19,7 @@ from cachedarrays import CachedArray, readable, writable
 
 from ..batch import make_bags
 from ..optim import RowwiseAdagrad
-from . import cached, ops
+from . import cached, ops, update_graph
 from .backend import cuda_backend
 from .handoff import to_jax
 
@@ -202,6 +202,9 @@ def ensemble_pullback(tables: list, grad: Any, indices, offsets, mode, weights, 
     # since resolving the second may move the first's rows.
     once = [not _cached(t) or sum(u is t for u in tables) == 1 for t in tables]
     preps = [cached.resolved(t, p) if _cached(t) and o else p for t, p, o in zip(tables, preps, once)]
+    if update_graph.eligible(tables, g3, preps, F):  # lru tables: the rest as one CUDA graph
+        update_graph.run(be, tables, g3, preps, optimizer, F)
+        return
     ready = [n for n, (p, o) in enumerate(zip(preps, once)) if o and ops.needs_plan(p, F)]
     plans = dict(zip(ready, ops.plans(be, [preps[n].bags.idx for n in ready], F)))
     for n, (t, p, o) in enumerate(zip(tables, preps, once)):
