@@ -1474,7 +1474,7 @@ def test_update_graph_entries_are_kept_per_ensemble_and_arguments_and_only_plain
     assert b is not a and UG._entry(ts[:1], np, grad[:, :1], preps[:1], [None], E.SGD(0.2)) is not b
     assert len(UG._entries) == 2 and a not in UG._entries.values()  # the least recently used went
     UG.forget(ts[1])
-    assert len(UG._entries) == 1 and not any(e.holds(ts[1]) for e in UG._entries.values())
+    assert len(UG._entries) == 1 and not any(e.serves(ts[1]) for e in UG._entries.values())
     gone = Table(3)
     UG._entry([gone], np, grad[:, :1], preps[:1], [None], E.SGD(0.1))
     del gone
@@ -1539,3 +1539,44 @@ def test_an_ensembles_update_replayed_as_a_cuda_graph_equals_the_uncached_tables
             assert UG.COUNTS["captured"] == 1 and UG.COUNTS["replayed"] >= 5, dict(UG.COUNTS)
         else:
             assert not UG.COUNTS
+
+
+def test_a_capture_runs_the_work_between_begin_and_end_with_its_own_allocator_and_returns_its_graph():
+    """:func:`.graphs.capture`: the work runs inside the stream's capture (relaxed mode) with the
+    new pool's allocator in force; the graph, the work's result and the pool come back, counted
+    as captured. A failure inside the work still ends the capture."""
+    import collections
+    import contextlib
+    import types
+    from embeddings.gpu import graphs
+    log, allocator = [], [None]
+
+    class Pool:
+        def malloc(self, n):
+            return n
+
+    @contextlib.contextmanager
+    def using_allocator(malloc):
+        allocator[0] = malloc
+        yield
+        allocator[0] = None
+
+    class Stream:
+        def begin_capture(self, mode):
+            log.append(("begin", mode))
+
+        def end_capture(self):
+            log.append("end")
+            return "graph"
+
+    xp = types.SimpleNamespace(cuda=types.SimpleNamespace(MemoryPool=Pool, using_allocator=using_allocator))
+    counts = collections.Counter()
+    graph, out, pool = graphs.capture(xp, Stream(), lambda: log.append(("work", allocator[0].__self__)) or 7,
+                                      counts, [False], "work")
+    assert (graph, out, isinstance(pool, Pool)) == ("graph", 7, True) and counts == {"captured": 1}
+    assert log == [("begin", graphs.CAPTURE_RELAXED), ("work", pool), "end"]
+    log.clear()
+    with pytest.warns(RuntimeWarning, match="the work could not be captured as a CUDA graph .ValueError: no."):
+        assert graphs.capture(xp, Stream(), lambda: (_ for _ in ()).throw(ValueError("no")), counts, [False],
+                              "the work") is None
+    assert log == [("begin", graphs.CAPTURE_RELAXED), "end"] and counts["capture failed"] == 1

@@ -28,74 +28,46 @@ from __future__ import annotations
 
 import collections
 import os
-import threading
-import warnings
-import weakref
 from typing import Any
 
 import numpy as np
 
-from . import lru_group as LG
+from . import graphs, lru_group as LG
 
 GRAPHS = os.environ.get("CACHEDARRAYS_PLACEMENT_GRAPHS", "1") != "0"
 MAX_FRONTS = 4
-_CAPTURE_RELAXED = 2  # cudaStreamCaptureModeRelaxed: the main thread's CUDA calls go on during a capture
 
 
-class FrontGraph:
+class FrontGraph(graphs.Entry):
     """One group's captured front: its fixed buffers, the graph once captured, and its outputs."""
 
     def __init__(self, tables: list, xp: Any, n: int, dtype: Any, counted: bool) -> None:
-        self.tables = [weakref.ref(t) for t in tables]
+        super().__init__(tables)
         self.counted = counted
         self.raw = xp.empty(n, dtype)  # the batch, as uploaded
         self.table = xp.empty(LG.Group.words(len(tables)), np.int64)
-        self.graph = None
         self.out: LG.Front | None = None
-        self.pool = None
-        self.runs = 0
-        self.failed = False
         self.holds: list = []
         self.hosts: LG.HostSide | None = None  # page-locked, where each replay leaves the counts and the read's rows
-
-    def alive(self) -> bool:
-        return all(r() is not None for r in self.tables)
-
-    def of(self, tables: list) -> bool:
-        return len(tables) == len(self.tables) and all(r() is t for r, t in zip(self.tables, tables))
 
 
 #: Fronts run since the process began (or ``COUNTS.clear()``): ``replayed``, ``captured``,
 #: ``capture failed`` and ``step by step`` (graphs off, host tables, an entry's first placement).
 COUNTS: collections.Counter = collections.Counter()
 
-_fronts: collections.OrderedDict = collections.OrderedDict()
-_lock = threading.Lock()
+_fronts = graphs.Entries()
 _warned = [False]
 
 
 def _entry(tables: list, sizes: list[int], dtype: Any, counted: bool) -> FrontGraph:
     key = (tuple(id(t) for t in tables), tuple(int(s) for s in sizes), np.dtype(dtype).str, counted, tables[0].reads)
-    with _lock:
-        for k in [k for k, f in _fronts.items() if not f.alive()]:
-            del _fronts[k]
-        entry = _fronts.get(key)
-        if entry is not None and not entry.of(tables):
-            del _fronts[key]
-            entry = None
-        if entry is None:
-            entry = _fronts[key] = FrontGraph(tables, tables[0].backend.xp, sum(sizes), dtype, counted)
-            while len(_fronts) > MAX_FRONTS:
-                _fronts.popitem(last=False)
-        _fronts.move_to_end(key)
-        return entry
+    return _fronts.get(key, tables, lambda: FrontGraph(tables, tables[0].backend.xp, sum(sizes), dtype, counted),
+                       MAX_FRONTS)
 
 
 def forget(table: Any) -> None:
     """Drop the entries of groups with ``table`` (it is closing: their memory goes back)."""
-    with _lock:
-        for k in [k for k, f in _fronts.items() if any(r() is table for r in f.tables)]:
-            del _fronts[k]
+    _fronts.forget(table)
 
 
 def place(tables: list, sizes: list[int], now: list[int], lock: list[int], blocks: list[np.ndarray],
@@ -130,27 +102,15 @@ def place(tables: list, sizes: list[int], now: list[int], lock: list[int], block
 
 
 def _capture(entry: FrontGraph, g: LG.Group, xp: Any) -> None:
-    """Capture ``entry``'s front on this thread's stream, its arrays from a pool of its own."""
+    """Capture ``entry``'s front on this thread's stream (:func:`.graphs.capture`)."""
     stream = xp.cuda.get_current_stream()
     if stream.ptr == 0:  # the legacy default stream cannot be captured
         entry.failed = True
         COUNTS["capture failed"] += 1
         return
-    pool = xp.cuda.MemoryPool()
-    try:
-        with xp.cuda.using_allocator(pool.malloc):
-            stream.begin_capture(_CAPTURE_RELAXED)
-            try:
-                out = LG.front(g, entry.raw.astype(np.int64), xp, entry.counted, entry.hosts)
-            finally:
-                graph = stream.end_capture()
-    except Exception as e:  # a step that cannot be captured: this group stays eager
+    got = graphs.capture(xp, stream, lambda: LG.front(g, entry.raw.astype(np.int64), xp, entry.counted, entry.hosts),
+                         COUNTS, _warned, "a placement's front")
+    if got is None:
         entry.failed = True
-        COUNTS["capture failed"] += 1
-        if not _warned[0]:
-            _warned[0] = True
-            warnings.warn(f"a placement's front could not be captured as a CUDA graph ({type(e).__name__}: {e}); "
-                          "placements run it step by step", RuntimeWarning, stacklevel=3)
-        return
-    entry.graph, entry.out, entry.pool = graph, out, pool
-    COUNTS["captured"] += 1
+    else:
+        entry.graph, entry.out, entry.pool = got

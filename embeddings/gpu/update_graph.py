@@ -27,47 +27,31 @@ from __future__ import annotations
 
 import collections
 import os
-import threading
-import warnings
-import weakref
 from typing import Any
 
 import numpy as np
 
-from . import lru_kernels as LK
-from . import ops, reference
 from . import backend as B
+from . import graphs, lru_kernels as LK, ops, reference
 
 GRAPHS = os.environ.get("CACHEDARRAYS_UPDATE_GRAPHS", "1") != "0"
 MAX_UPDATES = 4
-_CAPTURE_RELAXED = 2  # cudaStreamCaptureModeRelaxed: the prefetch thread's CUDA calls go on during a capture
 
 #: Updates since the process began (or ``COUNTS.clear()``): ``replayed``, ``captured``,
 #: ``capture failed`` and ``eager`` (an entry's first update).
 COUNTS: collections.Counter = collections.Counter()
 
-_entries: collections.OrderedDict = collections.OrderedDict()
-_lock = threading.Lock()
+_entries = graphs.Entries()
 _warned = [False]
 
 
-class UpdateGraph:
+class UpdateGraph(graphs.Entry):
     """One ensemble's captured update: the buffers it reads, the graph once captured, its pool."""
 
     def __init__(self, tables: list, xp: Any, shape: tuple, idxs: list) -> None:
-        self.tables = [weakref.ref(t) for t in tables]
+        super().__init__(tables)
         self.grad = xp.empty(shape, np.float32)
         self.idx = [xp.empty_like(i) for i in idxs]
-        self.graph = None
-        self.pool = None
-        self.runs = 0
-        self.failed = False
-
-    def alive(self) -> bool:
-        return all(r() is not None for r in self.tables)
-
-    def holds(self, table: Any) -> bool:
-        return any(r() is table for r in self.tables)
 
 
 def eligible(tables: list, grad: Any, preps: list, F: int) -> bool:
@@ -90,23 +74,12 @@ def _entry(tables: list, xp: Any, grad: Any, preps: list, states: list, optimize
            tuple(grad.shape), tuple(int(i.size) for i in idxs), idxs[0].dtype.str,
            tuple((p.bags.k, p.bags.mean, p.bags.nout) for p in preps),
            int(optimizer.code), float(optimizer.lr), float(optimizer.eps))
-    with _lock:
-        for k in [k for k, e in _entries.items() if not e.alive()]:
-            del _entries[k]
-        entry = _entries.get(key)
-        if entry is None:
-            entry = _entries[key] = UpdateGraph(tables, xp, tuple(grad.shape), idxs)
-            while len(_entries) > MAX_UPDATES:
-                _entries.popitem(last=False)
-        _entries.move_to_end(key)
-        return entry
+    return _entries.get(key, tables, lambda: UpdateGraph(tables, xp, tuple(grad.shape), idxs), MAX_UPDATES)
 
 
 def forget(table: Any) -> None:
     """Drop the entries with ``table`` (it is closing: their memory goes back)."""
-    with _lock:
-        for k in [k for k, e in _entries.items() if e.holds(table)]:
-            del _entries[k]
+    _entries.forget(table)
 
 
 def run(be: Any, tables: list, grad: Any, preps: list, optimizer: Any, F: int) -> None:
@@ -142,30 +115,21 @@ def _body(be: Any, entry: UpdateGraph, tables: list, states: list, preps: list, 
 
 
 def _capture(be: Any, entry: UpdateGraph, tables: list, states: list, preps: list, optimizer: Any, F: int) -> None:
-    """Capture ``entry``'s update on a side stream after the current one, from a pool of its
-    own, once the tables' prefetches are done (nothing else runs beside the capture)."""
+    """Capture ``entry``'s update on a side stream after the current one (:func:`.graphs.capture`),
+    once the tables' prefetches are done (nothing else runs beside the capture)."""
     xp = be.xp
     for t in tables:
         if t._inflight is not None:
             t._inflight.wait()
-    main = xp.cuda.get_current_stream()
     side = xp.cuda.Stream(non_blocking=True)
-    side.wait_event(main.record())
-    pool = xp.cuda.MemoryPool()
-    try:
-        with side, xp.cuda.using_allocator(pool.malloc):
-            side.begin_capture(_CAPTURE_RELAXED)
-            try:
-                _body(be, entry, tables, states, preps, optimizer, F)
-            finally:
-                graph = side.end_capture()
-    except Exception as e:  # an update that cannot be captured: this entry stays eager
+    side.wait_event(xp.cuda.get_current_stream().record())
+
+    def work() -> None:
+        with side:
+            _body(be, entry, tables, states, preps, optimizer, F)
+
+    got = graphs.capture(xp, side, work, COUNTS, _warned, "an ensemble's update")
+    if got is None:
         entry.failed = True
-        COUNTS["capture failed"] += 1
-        if not _warned[0]:
-            _warned[0] = True
-            warnings.warn(f"an ensemble's update could not be captured as a CUDA graph ({type(e).__name__}: {e}); "
-                          "it runs kernel by kernel", RuntimeWarning, stacklevel=4)
-        return
-    entry.graph, entry.pool = graph, pool
-    COUNTS["captured"] += 1
+    else:
+        entry.graph, _, entry.pool = got
