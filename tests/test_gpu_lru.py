@@ -1460,6 +1460,7 @@ def test_update_graph_entries_are_kept_per_ensemble_and_arguments_and_only_plain
         def __init__(self, at):
             self._W = self._dirty = types.SimpleNamespace(data=types.SimpleNamespace(ptr=at))
             self._staged = np.zeros(0, np.int64)
+            self._nslots = 64
 
     def prep(n, off=None, w=None):
         return types.SimpleNamespace(bags=types.SimpleNamespace(idx=np.zeros(n, np.int32), off=off, w=w, k=4,

@@ -6,20 +6,22 @@ marks of each table. Each launch costs the training thread CuPy's launch overhea
 the GIL that the prefetch thread beside it needs. None of them waits for the GPU (the plan's
 counts stay on the device, :class:`.backend.Plan`), and the batch fixes their shapes, so the
 launches are captured once as a CUDA graph and replayed as one: on the H100 the update phase
-of the DLRM step fell from 4.95 to 1.56 ms.
+of the DLRM step fell from 4.95 to 1.83 ms (1.56 with the prefetch joined before the next
+lookup, :meth:`dlrm.DLRM.train_step`).
 
 A graph reads and writes the addresses it was captured with. Each entry keeps a buffer for the
 gradient and one per table for its slots, both copied in before a replay, and its arrays (the
 plans, the chunk sums) in a memory pool of its own. It is keyed by everything else its kernels
-take: the tables' rows, accumulators and dirty bits, the sizes, the pooling, the optimizer's kind,
-learning rate and epsilon. The first update of a key runs eagerly; the second captures, on a side
-stream, with the tables' prefetches finished; later ones replay. A learning rate that changes
-every step never captures. ``CACHEDARRAYS_UPDATE_GRAPHS=0`` turns graphs off.
+take: the tables' rows, accumulators and dirty bits (a table whose arrays move gets a new
+entry), the sizes, the pooling, the optimizer's kind, learning rate and epsilon. The first
+update of a key runs eagerly; the second captures, on a side stream, with the tables' prefetches
+finished; later ones replay. A learning rate that changes every step never captures.
+``CACHEDARRAYS_UPDATE_GRAPHS=0`` turns graphs off.
 
 An update takes a graph only when every table is an ``lru`` table given once, has no staged
 rows, and its batch is of fixed-size bags (no offsets, no weights) whose chunk sums fit
-:data:`.backend.SCRATCH`; anything else updates as before. An entry holds about 15 words per
-batch entry and the gradient (about 0.2 GB at the DLRM benchmark's size) outside the manager's
+:data:`.backend.SCRATCH`; anything else updates as before. An entry holds about 12 words per
+batch entry and the gradient (about 0.3 GB at the DLRM benchmark's size) outside the manager's
 levels; :data:`MAX_UPDATES` entries are kept, and a closed table's are dropped.
 """
 
@@ -71,6 +73,7 @@ def _entry(tables: list, xp: Any, grad: Any, preps: list, states: list, optimize
     idxs = [p.bags.idx for p in preps]
     key = (tuple(id(t) for t in tables), tuple(t._W.data.ptr for t in tables),
            tuple(0 if s is None else s.data.ptr for s in states), tuple(t._dirty.data.ptr for t in tables),
+           tuple(int(t._nslots) for t in tables),
            tuple(grad.shape), tuple(int(i.size) for i in idxs), idxs[0].dtype.str,
            tuple((p.bags.k, p.bags.mean, p.bags.nout) for p in preps),
            int(optimizer.code), float(optimizer.lr), float(optimizer.eps))
