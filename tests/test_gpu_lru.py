@@ -1491,7 +1491,8 @@ def test_update_graph_entries_are_kept_per_ensemble_and_arguments_and_only_plain
     assert not UG.eligible(ts, dev, [prep(32), prep(32, w=np.ones(32))], 4)
     assert not UG.eligible(ts, dev, [prep(32), prep(0)], 4)
     big = BK.SCRATCH // (4 * 4) * 40  # a batch whose chunk sums for the most long rows would not fit
-    assert not UG.eligible(ts, dev, [prep(32), prep(big)], 4) and UG.eligible(ts, dev, [prep(32), prep(big)], 0)
+    assert not UG.eligible(ts, dev, [prep(32), prep(big)], 4) and UG.eligible(ts, dev, [prep(32), prep(big)], 1)
+    assert not UG.eligible(ts, dev, preps, 0)  # rows of nothing: nothing to update
     ts[1]._staged = np.arange(2)
     assert not UG.eligible(ts, dev, preps, 4)
     ts[1]._staged = np.zeros(0, np.int64)
@@ -1581,3 +1582,19 @@ def test_a_capture_runs_the_work_between_begin_and_end_with_its_own_allocator_an
         assert graphs.capture(xp, Stream(), lambda: (_ for _ in ()).throw(ValueError("no")), counts, [False],
                               "the work") is None
     assert log == [("begin", graphs.CAPTURE_RELAXED), "end"] and counts["capture failed"] == 1
+
+    class T:
+        pass
+
+    t, tries = T(), []
+    entry = graphs.Entry([t])  # a capture that fails marks the entry failed: eager for good, never tried again
+
+    def fails():
+        tries.append("capture")
+        entry.failed = True
+
+    assert [entry.ready(fails) for _ in range(3)] == [False] * 3 and tries == ["capture"] and entry.runs == 3
+    entry = graphs.Entry([t])  # the first run eager, the second captures, then replays
+    assert not entry.ready(lambda: tries.append("again"))
+    assert entry.ready(lambda: setattr(entry, "graph", "g")) and entry.ready(lambda: tries.append("never"))
+    assert entry.runs == 1 and tries == ["capture"]  # no capture on the first run, none once there is a graph

@@ -56,6 +56,16 @@ class Entry:
         self.runs = 0
         self.failed = False
 
+    def ready(self, capture: Callable[[], None]) -> bool:
+        """Whether the graph is there to replay: captured now (by ``capture()``) on the entry's
+        second run unless a capture failed before; False: run the work eagerly (counted as a run)."""
+        if self.graph is None and self.runs and not self.failed:
+            capture()
+        if self.graph is None:
+            self.runs += 1
+            return False
+        return True
+
     def alive(self) -> bool:
         return all(r() is not None for r in self.tables)
 

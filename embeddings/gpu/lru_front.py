@@ -90,10 +90,7 @@ def place(tables: list, sizes: list[int], now: list[int], lock: list[int], block
     entry.holds = g.holds
     if entry.hosts is None:
         entry.hosts = LG.host_side(g, entry.raw.size, be.pinned)
-    if entry.graph is None and entry.runs and not entry.failed:
-        _capture(entry, g, xp)
-    if entry.graph is None:
-        entry.runs += 1
+    if not entry.ready(lambda: _capture(entry, g, xp)):
         COUNTS["step by step"] += 1
         return g, LG.front(g, entry.raw.astype(np.int64), xp, counted, entry.hosts)
     entry.graph.launch(xp.cuda.get_current_stream())

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import os
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -59,7 +60,7 @@ class UpdateGraph(graphs.Entry):
 def eligible(tables: list, grad: Any, preps: list, F: int) -> bool:
     """Whether the resolved updates ``preps`` of ``tables`` (gradient ``grad``, rows of ``F``)
     may run as a graph (see the module's docstring)."""
-    if not GRAPHS or isinstance(grad, np.ndarray) or not grad.flags.c_contiguous:
+    if not GRAPHS or F == 0 or isinstance(grad, np.ndarray) or not grad.flags.c_contiguous:
         return False
     if not all(getattr(t, "update_graphs", False) and not t._staged.size for t in tables):
         return False
@@ -95,15 +96,12 @@ def run(be: Any, tables: list, grad: Any, preps: list, optimizer: Any, F: int) -
     entry.grad[...] = grad
     for buf, p in zip(entry.idx, preps):
         buf[...] = p.bags.idx
-    if entry.graph is None and entry.runs and not entry.failed:
-        _capture(be, entry, tables, states, preps, optimizer, F)
-    if entry.graph is None:
-        entry.runs += 1
-        COUNTS["eager"] += 1
-        _body(be, entry, tables, states, preps, optimizer, F)
-    else:
+    if entry.ready(lambda: _capture(be, entry, tables, states, preps, optimizer, F)):
         entry.graph.launch(xp.cuda.get_current_stream())
         COUNTS["replayed"] += 1
+    else:
+        COUNTS["eager"] += 1
+        _body(be, entry, tables, states, preps, optimizer, F)
 
 
 def _body(be: Any, entry: UpdateGraph, tables: list, states: list, preps: list, optimizer: Any, F: int) -> None:
@@ -111,10 +109,9 @@ def _body(be: Any, entry: UpdateGraph, tables: list, states: list, preps: list, 
     table from ``entry.grad``, the slots' dirty marks."""
     plans = ops.plans(be, entry.idx, F)
     for n, (t, state, p, plan) in enumerate(zip(tables, states, preps, plans)):
-        b = p.bags
-        be.update(t._W, state, entry.grad[:, n, :], plan, None, b.nout, max(b.k, 1), None, b.mean,
-                  optimizer.code, float(optimizer.lr), float(optimizer.eps))
-        LK.mark_dirty(entry.idx[n], t._dirty, t._nslots)
+        mine = ops.PreparedUpdate(replace(p.bags, idx=entry.idx[n]), entry.grad[:, n, :], None)
+        ops.apply_pullback(be, t._W, state, mine, optimizer, plan)
+        LK.mark_dirty(entry.idx[n], t._dirty, t._nslots)  # what the table's updated() marks, from the entry's slots
 
 
 def _capture(be: Any, entry: UpdateGraph, tables: list, states: list, preps: list, optimizer: Any, F: int) -> None:
