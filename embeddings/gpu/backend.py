@@ -62,8 +62,12 @@ class Plan:
         """The number of long rows and of chunk sums (read from the device, a wait, when they are there)."""
         if self.counts is None:
             return self.NL, self.NC
-        x = int(self.counts.get()[0])
-        return x >> 40, x & ((1 << 40) - 1)
+        return _unpack(int(self.counts.get()[0]))
+
+
+def _unpack(x: int) -> tuple[int, int]:
+    """``(NL, NC)`` of the long rows' counter as the kernels leave it, ``NL << 40 | NC``."""
+    return x >> 40, x & ((1 << 40) - 1)
 
 
 def long_row_bounds(L: int, C: int) -> tuple[int, int]:
@@ -73,6 +77,12 @@ def long_row_bounds(L: int, C: int) -> tuple[int, int]:
     runs' lengths add up to at most ``L``."""
     most = L // (C + 1)
     return most, (L + most * (C - 1)) // C
+
+
+def counts_stay(L: int, C: int, F: int) -> bool:
+    """Whether the long rows' counts of a batch of ``L`` entries with rows of ``F`` floats stay
+    on the device: the chunk sums for their bounds fit :data:`SCRATCH` bytes."""
+    return long_row_bounds(L, C)[1] * F * 4 <= SCRATCH
 
 
 class ReferenceBackend:
@@ -520,15 +530,14 @@ class CudaBackend:
         runs, bounds = [], []
         for i, srow in enumerate(srows):
             L = int(srow.size)
-            lstart, lend, lbase = (cp.empty(L // (C + 1) + 1, cp.int64) for _ in range(3))
+            bounds.append(long_row_bounds(L, C))
+            lstart, lend, lbase = (cp.empty(bounds[-1][0] + 1, cp.int64) for _ in range(3))
             name = "long_rows_i32" if srow.dtype == np.int32 else "long_rows_i64"
             cuda.kernel(name)(*cuda.grid_1d(L), (srow, np.int64(L), np.int64(C), counter[i:], lstart, lend, lbase))
             runs.append((lstart, lend, lbase))
-            bounds.append(long_row_bounds(L, C))
-        if F is not None and all(nc * F * 4 <= SCRATCH for _, nc in bounds):
+        if F is not None and all(counts_stay(int(s.size), C, F) for s in srows):
             return [(*r, *b, counter[i:i + 1]) for i, (r, b) in enumerate(zip(runs, bounds))]
-        packed = [int(x) for x in self.to_host(counter)]
-        return [(*r, x >> 40, x & ((1 << 40) - 1)) for r, x in zip(runs, packed)]
+        return [(*r, *_unpack(int(x))) for r, x in zip(runs, self.to_host(counter))]
 
     def update(self, W, state, grad, plan: Plan, off, B, k, w, mean, opt, lr, eps) -> None:
         F = W.shape[1]

@@ -92,10 +92,15 @@ def place(tables: list, sizes: list[int], now: list[int], lock: list[int], block
         entry.hosts = LG.host_side(g, entry.raw.size, be.pinned)
     if not entry.ready(lambda: _capture(entry, g, xp)):
         COUNTS["step by step"] += 1
-        return g, LG.front(g, entry.raw.astype(np.int64), xp, counted, entry.hosts)
+        return g, _front(entry, g, xp)
     entry.graph.launch(xp.cuda.get_current_stream())
     COUNTS["replayed"] += 1
     return g, entry.out
+
+
+def _front(entry: FrontGraph, g: LG.Group, xp: Any) -> LG.Front:
+    """``g``'s front over ``entry``'s buffers (the batch as uploaded, widened; its page-locked host side)."""
+    return LG.front(g, entry.raw.astype(np.int64), xp, entry.counted, entry.hosts)
 
 
 def _capture(entry: FrontGraph, g: LG.Group, xp: Any) -> None:
@@ -105,8 +110,7 @@ def _capture(entry: FrontGraph, g: LG.Group, xp: Any) -> None:
         entry.failed = True
         COUNTS["capture failed"] += 1
         return
-    got = graphs.capture(xp, stream, lambda: LG.front(g, entry.raw.astype(np.int64), xp, entry.counted, entry.hosts),
-                         COUNTS, _warned, "a placement's front")
+    got = graphs.capture(xp, stream, lambda: _front(entry, g, xp), COUNTS, _warned, "a placement's front")
     if got is None:
         entry.failed = True
     else:

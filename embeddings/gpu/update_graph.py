@@ -19,8 +19,8 @@ finished; later ones replay. A learning rate that changes every step never captu
 ``CACHEDARRAYS_UPDATE_GRAPHS=0`` turns graphs off.
 
 An update takes a graph only when every table is an ``lru`` table given once, has no staged
-rows, and its batch is of fixed-size bags (no offsets, no weights) whose chunk sums fit
-:data:`.backend.SCRATCH`; anything else updates as before. An entry holds about 12 words per
+rows, and its batch is of fixed-size bags (no offsets, no weights) whose plan waits for
+nothing (:func:`.backend.counts_stay`); anything else updates as before. An entry holds about 12 words per
 batch entry and the gradient (about 0.3 GB at the DLRM benchmark's size) outside the manager's
 levels; :data:`MAX_UPDATES` entries are kept, and a closed table's are dropped.
 """
@@ -67,7 +67,7 @@ def eligible(tables: list, grad: Any, preps: list, F: int) -> bool:
     if len({id(t) for t in tables}) != len(tables):
         return False
     return all(p.bags.off is None and p.bags.w is None and p.bags.idx.size
-               and B.long_row_bounds(int(p.bags.idx.size), reference.CHUNK)[1] * F * 4 <= B.SCRATCH for p in preps)
+               and B.counts_stay(int(p.bags.idx.size), reference.CHUNK, F) for p in preps)
 
 
 def _entry(tables: list, xp: Any, grad: Any, preps: list, states: list, optimizer: Any) -> UpdateGraph:
