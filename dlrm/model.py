@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -47,10 +46,32 @@ def _part(xs, a, b):
     return None if xs is None else xs[a:b]
 
 
-@dataclass
 class StepResult:
-    loss: float
-    logits: np.ndarray
+    """A training step's loss and logits, read from the device when first asked for: a step
+    whose result nobody reads does not wait for it. On a GPU the read is a copy to the host,
+    which queues behind the rows a background prefetch is sending home (one copy engine takes
+    every download in turn), so a trainer that reads the previous step's result after starting
+    the next one does not wait for either."""
+
+    __slots__ = ("_loss", "_logits")
+
+    def __init__(self, loss: Any, logits: Any) -> None:
+        self._loss, self._logits = loss, logits
+
+    @property
+    def loss(self) -> float:
+        if not isinstance(self._loss, float):
+            self._loss = float(self._loss)
+        return self._loss
+
+    @property
+    def logits(self) -> np.ndarray:
+        if not isinstance(self._logits, np.ndarray):
+            self._logits = np.asarray(self._logits)
+        return self._logits
+
+    def __repr__(self) -> str:
+        return f"StepResult(loss={self.loss!r}, logits={self.logits!r})"
 
 
 class DLRM:
@@ -233,7 +254,7 @@ class DLRM:
         with tm("dense update"):
             self.params = jax.block_until_ready(sgd_update(self.params, g, np.float32(self.lr)))
         self._pending = pending
-        return StepResult(float(loss), np.asarray(p))
+        return StepResult(loss, p)
 
     def warmup(self, batch: Batch) -> None:
         """Compile every kernel and jitted function on ``batch`` without changing any weight

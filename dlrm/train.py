@@ -349,28 +349,38 @@ def run(args) -> dict:
                     tqdm.write(f"durable point {point} of {args.pm_path} (step {step})", file=sys.stderr)
             interval.done()
 
+        def account(i: int, batch, r) -> None:
+            """Step ``i``'s loss and accuracy into the curve, the window and the progress bar."""
+            nonlocal win_t, win_loss, win_acc, win_n
+            losses.append((i + 1, r.loss))
+            win_loss += r.loss
+            win_acc += accuracy(r.logits, batch.labels)
+            win_n += 1
+            bar.update(1)
+            if win_n and (i + 1) % max(1, args.print_freq) == 0:
+                dt = time.perf_counter() - win_t
+                tqdm.write(f"step {i + 1}/{total}: loss {win_loss / win_n:.5f}  accuracy {win_acc / win_n:.4f}  "
+                           f"{win_n * B / dt:.0f} samples/s")
+                win_t, win_loss, win_acc, win_n = time.perf_counter(), 0.0, 0.0, 0
+            if not args.no_progress and (i + 1) % 10 == 0:
+                el = time.perf_counter() - wall0 - eval_seconds
+                bar.set_postfix(loss=f"{r.loss:.4f}", samples_s=f"{(i + 1 - start) * B / max(el, 1e-9):.0f}")
+
+        last = None  # the last step's (i, batch, result), read once the next step has started: no wait for it
         try:
             for i, batch, nxt in with_next(loader):
                 r = model.train_step(batch, nxt if args.device == "gpu" else None)
-                losses.append((i + 1, r.loss))
-                win_loss += r.loss
-                win_acc += accuracy(r.logits, batch.labels)
-                win_n += 1
-                bar.update(1)
-                if win_n and (i + 1) % max(1, args.print_freq) == 0:
-                    dt = time.perf_counter() - win_t
-                    tqdm.write(f"step {i + 1}/{total}: loss {win_loss / win_n:.5f}  accuracy {win_acc / win_n:.4f}  "
-                               f"{win_n * B / dt:.0f} samples/s")
-                    win_t, win_loss, win_acc, win_n = time.perf_counter(), 0.0, 0.0, 0
-                if not args.no_progress and (i + 1) % 10 == 0:
-                    el = time.perf_counter() - wall0 - eval_seconds
-                    bar.set_postfix(loss=f"{r.loss:.4f}", samples_s=f"{(i + 1 - start) * B / max(el, 1e-9):.0f}")
+                if last is not None:
+                    account(*last)
+                last = (i, batch, r)
                 if interval.enabled and i + 1 < total and interval.due(i + 1):
                     keep(i + 1)
                 if args.test_freq > 0 and (i + 1) % args.test_freq == 0 and i + 1 < total:
                     te = time.perf_counter()
                     evaluate(i + 1)
                     eval_seconds += time.perf_counter() - te
+            if last is not None:
+                account(*last)
         finally:
             bar.close()
             loader.close()

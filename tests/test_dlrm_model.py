@@ -123,6 +123,30 @@ def test_every_policy_gives_the_same_losses_over_several_steps(tmp_path):
         np.testing.assert_allclose(c, ref, rtol=1e-6, err_msg=policy)
 
 
+def test_a_steps_result_is_read_when_asked_for_and_equals_a_result_read_at_once(tmp_path):
+    """``train_step`` returns its loss and logits as the device left them; reading one converts
+    it once (a float, a numpy array) and reading late gives what reading at once gives, however
+    many steps ran in between."""
+    from dlrm import StepResult
+    cfg = DLRMConfig(SIZES, F, (5, 8, F), (6, 1))
+    data = SyntheticData(SIZES, 5, 32, num_indices=2, distribution="zipf", seed=4)
+    runs = []
+    for k in range(2):
+        with make_manager(tmp_path / str(k)) as m:
+            model = DLRM(cfg, make_tables(SIZES, F, "dram", m, seed=1), lr=0.3, seed=1)
+            rs = []
+            for i in range(4):
+                rs.append(model.train_step(data.batch(i)))
+                if k == 0:
+                    rs[-1].loss, rs[-1].logits
+            assert k == 0 or not any(isinstance(r._loss, float) or isinstance(r._logits, np.ndarray) for r in rs)
+            runs.append([(r.loss, r.logits) for r in rs])
+    for (l0, p0), (l1, p1) in zip(*runs):
+        assert type(l1) is float and l0 == l1 and isinstance(p1, np.ndarray) and np.array_equal(p0, p1)
+    r = StepResult(jnp.float32(0.5), jnp.arange(3.0))
+    assert r.loss == 0.5 and r.loss is r.loss and r.logits is r.logits and "loss=0.5" in repr(r)
+
+
 def test_initialisation_follows_the_reference_dlrm(tmp_path):
     cfg = DLRMConfig((20000, 3), 16, (13, 512, 256, 16), (64, 1))
     p = init_dense(cfg, seed=0)
