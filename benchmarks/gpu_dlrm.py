@@ -9,10 +9,12 @@ same index stream:
 
 * ours: ``dlrm.DLRM(device="gpu")`` over GPU cached tables (tables in page-locked host DRAM,
   an HBM budget of ``--budget`` of the tables' bytes for the cache rows and their bookkeeping,
-  the cache fraction being what the budget holds). ``--policy lru`` (default): the
+  the cache fraction being what the budget holds). ``--policy lfu`` (default): the
   set-associative ``LRUCachedEmbeddings``, whose tags live in HBM so that the GPU finds hits and
-  moves misses itself (``--policy lfu``: the same cache, a missed row taking the way used in the
-  fewest batches); ``dynamic`` / ``static``: the ``CachedEmbeddings`` with host bookkeeping
+  moves misses itself, a missed row taking the way used in the fewest batches (under Zipf(1) it
+  keeps 84% of the lookups in HBM against 81% for ``--policy lru``, the least recently used way,
+  and moves 14% fewer bytes; in one H100 call ``lfu`` took 12.10 ms a step and ``lru`` 13.13);
+  ``dynamic`` / ``static``: the ``CachedEmbeddings`` with host bookkeeping
   (caching on access, or the most frequent rows known from the index generator). The next
   batch is prefetched while the current batch's dense work runs, as ``dlrm.train`` does. Under
   ``lru`` and ``lfu`` the model runs as four contenders, switched between rounds on the same tables and
@@ -773,7 +775,7 @@ def main(argv=None) -> int:
     p.add_argument("--tables", type=int, default=8, help="part 1: tables")
     p.add_argument("--rows", type=int, default=45_000_000, help="part 1: rows per table")
     p.add_argument("--budget", type=float, default=10.0, help="part 1: HBM budget, percent of the tables' bytes")
-    p.add_argument("--policy", choices=("lru", "lfu", "static", "dynamic"), default="lru",
+    p.add_argument("--policy", choices=("lru", "lfu", "static", "dynamic"), default="lfu",
                    help="part 1: cache policy (lru/lfu: tags in HBM, run by the GPU, a missed row taking the least "
                         "recently used way of its set or the one used in the fewest batches; static/dynamic: host "
                         "bookkeeping)")
