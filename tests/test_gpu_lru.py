@@ -1319,18 +1319,21 @@ def test_the_gil_probe_runs_each_side_work_beside_every_step_and_stops_its_threa
 
 
 def test_the_benchmarks_rounds_alternate_the_contenders_and_keep_every_rounds_rate():
-    """``gpu_dlrm.rounds``: each contender runs its steps per round in every round, the order
-    reversed every other round, each step index once, then its end of round when it has one;
-    the medians come back and, when asked, every round's samples/s (how much the host varied)."""
+    """``gpu_dlrm.rounds``: one untimed step of each contender (and its end), then ``warmed``;
+    then each contender runs its steps per round in every round, the order reversed every other
+    round, each step index once, then its end of round when it has one; the medians come back
+    and, when asked, every round's samples/s (how much the host varied)."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks import gpu_dlrm as GD
     calls, each = [], {}
     got = GD.rounds({"a": (lambda j: calls.append(("a", j)), 2, 10),
-                     "b": (lambda j: calls.append(("b", j)), 1, 10, lambda: calls.append("b ends"))}, 3, each)
-    assert calls == [("a", 0), ("a", 1), ("b", 0), "b ends", ("b", 1), "b ends", ("a", 2), ("a", 3), ("a", 4), ("a", 5),
-                     ("b", 2), "b ends"]
+                     "b": (lambda j: calls.append(("b", j)), 1, 10, lambda: calls.append("b ends"))}, 3, each,
+                    lambda: calls.append("warmed"))
+    assert calls == [("a", 0), ("b", 0), "b ends", "warmed",
+                     ("a", 1), ("a", 2), ("b", 1), "b ends", ("b", 2), "b ends", ("a", 3), ("a", 4), ("a", 5), ("a", 6),
+                     ("b", 3), "b ends"]
     assert set(each) == set(got) == {"a", "b"} and all(len(v) == 3 for v in each.values())
     assert all(got[n] == sorted(each[n])[1] for n in got)
 
