@@ -13,7 +13,7 @@ same index stream:
   set-associative ``LRUCachedEmbeddings``, whose tags live in HBM so that the GPU finds hits and
   moves misses itself, a missed row taking the way used in the fewest batches (under Zipf(1) it
   keeps 84% of the lookups in HBM against 81% for ``--policy lru``, the least recently used way,
-  and moves 14% fewer bytes; in one H100 call ``lfu`` took 12.10 ms a step and ``lru`` 13.13);
+  and moves 14% fewer bytes; in one H100 call ``lfu`` took 13.33 ms a step and ``lru`` 13.67);
   ``dynamic`` / ``static``: the ``CachedEmbeddings`` with host bookkeeping
   (caching on access, or the most frequent rows known from the index generator). The next
   batch is prefetched while the current batch's dense work runs, as ``dlrm.train`` does. Under
