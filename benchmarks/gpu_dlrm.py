@@ -162,11 +162,11 @@ def rounds(contenders: dict, nrounds: int, each: dict | None = None, warmed: Any
     samples/s of the rounds, contenders alternating inside every round (order reversed every
     other round), after one untimed step of each (and its end), so that nothing a contender
     does once (compiling, capturing) is timed: without it the in-HBM model's first round took
-    87-88 ms a step on the H100, its others 7-11 (``warmed()``, when given, runs after those
-    steps: the caller's timers start there). ``end``, when given, runs at the end of each of the contender's rounds, timed with
-    it (what its last step left running: ours' prefetch of the next batch, which must not run
-    beside the next contender's round); every round's samples/s go into ``each[name]`` when
-    given (how much the host varied)."""
+    87-170 ms a step on the H100, its others 7-12. ``warmed()``, when given, runs after those
+    steps: the caller's counts and timers start there. ``end``, when given, runs at the end of
+    each of the contender's rounds, timed with it (what its last step left running: ours'
+    prefetch of the next batch, which must not run beside the next contender's round); every
+    round's samples/s go into ``each[name]`` when given (how much the host varied)."""
     names = list(contenders)
     got = {n: [] for n in names}
     pos = {n: 1 for n in names}
