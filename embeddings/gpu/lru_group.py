@@ -58,20 +58,17 @@ extern "C" __global__ void tb_probe(const i64* idx, i64 n, const i64* off, int T
         int ways = (int)P[P_WAYS];
         i64 r = idx[i], s = set_of(r, P[P_SETS]), first = s * ways, found = -1;
         for (int w = 0; w < ways; ++w) if (tags[first + w] == r) { found = first + w; break; }
-        if (found >= 0) ((int*)P[P_STAMP])[found] = (int)P[P_NOW];
+        if (found >= 0) {
+            int* stamp = (int*)P[P_STAMP];
+            int now = (int)P[P_NOW];
+            int* uses = (int*)P[P_USES];
+            /* lfu: one more batch of use for a slot no earlier probe under now stamped; of the entries
+               hitting it, the one whose exchange finds the old stamp counts it */
+            if (!uses) stamp[found] = now;
+            else if (stamp[found] != now && atomicExch(stamp + found, now) != now) uses[found] += 1;
+        }
         slot[i] = found;
         key[i] = found >= 0 ? none : (P[P_SBASE] + s) * Rmax + r;
-    }
-}
-
-/* after the probe, in lfu tables: one more batch of use for every slot it stamped (slot offsets soff) */
-extern "C" __global__ void tb_used(i64 n, const i64* soff, int T, const i64* tabs) {
-    for (i64 x = (i64)blockIdx.x * blockDim.x + threadIdx.x; x < n; x += (i64)gridDim.x * blockDim.x) {
-        int t = table_of(soff, T, x);
-        const i64* P = tabs + t * NF;
-        int* uses = (int*)P[P_USES];
-        i64 s = x - soff[t];
-        if (uses && ((const int*)P[P_STAMP])[s] == (int)P[P_NOW]) uses[s] += 1;
     }
 }
 
@@ -104,16 +101,20 @@ extern "C" __global__ void tb_victims(const i64* sk, const bool* first, const i6
             const int* uses = (const int*)P[P_USES];
             int ways = (int)P[P_WAYS], lock = (int)P[P_LOCK];
             i64 base = (g - sbase[t]) * ways, k = pos[i] - pos[lower_bound(sk, n, g * Rmax)];
-            if (k < ways) {
-                for (int w = 0; w < ways; ++w) {
-                    i64 key = eviction_key(stamp, uses, base + w, lock);
-                    int below = 0;
-                    for (int u = 0; u < ways; ++u) {
-                        i64 other = eviction_key(stamp, uses, base + u, lock);
-                        below += other < key || (other == key && u < w);
+            if (k < ways) {  /* the k-th way in (key, way) order: k + 1 passes, each taking the next lowest */
+                i64 last = 0;
+                int at = -1;
+                for (i64 r = 0; r <= k; ++r) {
+                    i64 best = 0;
+                    int bw = -1;
+                    for (int w = 0; w < ways; ++w) {
+                        i64 key = eviction_key(stamp, uses, base + w, lock);
+                        bool after = at < 0 || key > last || (key == last && w > at);
+                        if (after && (bw < 0 || key < best)) { best = key; bw = w; }
                     }
-                    if (below == k) { if (stamp[base + w] < lock) v = base + w; break; }
+                    last = best; at = bw;
                 }
+                if (stamp[base + at] < lock) v = base + at;
             }
             if (v < 0) ((long long*)P[P_COUNTS])[4] = 1;
         }
@@ -221,9 +222,8 @@ def _ptr(a: Any) -> int:
 class Group:
     """The tables placed together and what the kernels need of them: entry offsets ``off`` (each
     table's indices, one after the other), set offsets ``sbase`` (each table's sets numbered
-    after the previous table's), slot offsets ``soff`` (likewise, for the passes over every
-    slot), this placement's stamp ``now`` and ``lock`` per table, and on a
-    GPU the pointer table :attr:`dev`. Keys are ``(sbase[t] + set) * Rmax + row``; ``none``
+    after the previous table's), this placement's stamp ``now`` and ``lock`` per table, and on
+    a GPU the pointer table :attr:`dev`. Keys are ``(sbase[t] + set) * Rmax + row``; ``none``
     (above every key) marks a hit."""
 
     def __init__(self, tables: list, sizes: list[int], now: list[int], lock: list[int], into: Any = None) -> None:
@@ -233,15 +233,13 @@ class Group:
         self.sbase = np.concatenate([[0], np.cumsum([t.sets for t in tables])]).astype(np.int64)
         self.Rmax = max(t.nvectors() for t in tables)
         self.none = int(self.sbase[-1]) * self.Rmax
-        self.soff = np.concatenate([[0], np.cumsum([t._nslots for t in tables])]).astype(np.int64)  # slot offsets
-        self.lfu = any(t._uses is not None for t in tables)
         self.host = isinstance(tables[0]._tags, np.ndarray)
         self.reads = tables[0].reads
         # set once this placement's CPU threads have gathered its rows (or its read is over): the
         # rows it sends home are scattered only then, not beside the gather on the same cores
         self.gathered = threading.Event()
         self.holds: list = []  # events after the device work that still reads this placement's arrays (the copy home)
-        self.dev = self.doff = self.dsbase = self.dsoff = None
+        self.dev = self.doff = self.dsbase = None
         if not self.host:
             be = tables[0].backend
             rows = [[t.sets, t.ways, t.nvectors(), int(self.sbase[i]), now[i], lock[i],
@@ -249,7 +247,7 @@ class Group:
                      _ptr(t._dstate), _ptr(t._hstate_dev if t._dstate is not None else None), _ptr(t._uses)]
                     for i, t in enumerate(tables)]
             n = self.T * len(FIELDS)
-            table = np.concatenate([np.array(rows, np.int64).ravel(), self.off, self.sbase, self.soff])
+            table = np.concatenate([np.array(rows, np.int64).ravel(), self.off, self.sbase])
             if into is None:
                 whole = be.asarray(table)
             else:  # a buffer that stays where it is (a captured front reads it): up from a block this placement keeps
@@ -258,12 +256,12 @@ class Group:
                 be.upload(into, self._up)
                 whole = into
             self.dev = whole[:n].reshape(self.T, len(FIELDS))
-            self.doff, self.dsbase, self.dsoff = (whole[n + i * (self.T + 1):n + (i + 1) * (self.T + 1)] for i in range(3))
+            self.doff, self.dsbase = (whole[n + i * (self.T + 1):n + (i + 1) * (self.T + 1)] for i in range(2))
 
     @staticmethod
     def words(T: int) -> int:
-        """The int64 words of the device pointer table of ``T`` tables (with the three offset arrays)."""
-        return T * len(FIELDS) + 3 * (T + 1)
+        """The int64 words of the device pointer table of ``T`` tables (with the two offset arrays)."""
+        return T * len(FIELDS) + 2 * (T + 1)
 
     def span(self, t: int) -> slice:
         return slice(int(self.off[t]), int(self.off[t + 1]))
@@ -292,8 +290,6 @@ def probe(g: Group, idx: Any) -> tuple[Any, Any]:
     slot, key = cp.empty(n, np.int64), cp.empty(n, np.int64)
     _launch("tb_probe", n, (idx, np.int64(n), g.doff, np.int32(g.T), g.dev, np.int64(g.Rmax), np.int64(g.none),
                             slot, key))
-    if g.lfu:  # a row hit twice counts once: the stamps say which slots this batch hit
-        _launch("tb_used", int(g.soff[-1]), (np.int64(g.soff[-1]), g.dsoff, np.int32(g.T), g.dev))
     return slot, key
 
 
