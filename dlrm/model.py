@@ -113,6 +113,9 @@ class DLRM:
         # tables take host indices, which they match against the batches they prefetched)
         self._upload_indices = device == "gpu" and not self._per_table and not self._prefetching
         self._indices: tuple[Batch, list] | None = None
+        # uploaded a step ahead by prefetch: (batch, its device indices, the copy's event), at most two batches
+        self._ahead: collections.deque = collections.deque(maxlen=2)
+        self._index_blocks: collections.deque = collections.deque()  # (event, page-locked block it reads)
         g = max(1, int(group_size)) if device == "cpu" else len(self.tables)
         self.groups = [(a, min(a + g, len(self.tables))) for a in range(0, len(self.tables), g)]
         self.ensembles = [] if self._per_table else [Ensemble(self.tables[a:b]) for a, b in self.groups]
@@ -175,16 +178,24 @@ class DLRM:
 
     def _sparse(self, batch: Batch, upload: bool = False) -> list:
         """``batch``'s indices for the GPU ensemble. When every table is in HBM, device copies:
-        made by a lookup (``upload``) and taken by the update of the same batch that follows it,
-        so a step does not upload and check on the host twice what it uses twice (the tables
-        check device indices on the device, raising the host path's errors)."""
+        uploaded a step ahead by :meth:`prefetch` (:func:`dlrm.gpu.upload_indices`) or else by
+        the lookup (``upload``), and taken by the update of the same batch that follows it, so a
+        step does not upload and check on the host twice what it uses twice (the tables check
+        device indices on the device, raising the host path's errors). A batch changed in place
+        after its prefetch is not seen (as with cached tables' prefetch)."""
         if not self._upload_indices:
             return batch.indices
         memo, self._indices = self._indices, None
         if upload or memo is None or memo[0] is not batch:
             from embeddings.gpu.backend import cuda_backend
             be = cuda_backend()
-            memo = (batch, [be.asarray(i) for i in batch.indices])
+            ahead = next((a for a in self._ahead if a[0] is batch), None)
+            if ahead is not None:
+                self._ahead.remove(ahead)
+                be.follow(ahead[2])  # the copy up, made on a side stream
+                memo = ahead[:2]
+            else:
+                memo = (batch, [be.asarray(i) for i in batch.indices])
         if upload:
             self._indices = memo
         return memo[1]
@@ -203,7 +214,24 @@ class DLRM:
             pending = prefetch_next(self.tables, [batch.flat(i) for i in range(len(self.tables))], background)
         if background:
             self._uploaded = (batch, jax.device_put(batch.dense), jax.device_put(batch.labels))
+            if self._upload_indices:
+                self._upload_ahead(batch)
         return pending
+
+    def _upload_ahead(self, batch: Batch) -> None:
+        """Start uploading ``batch``'s indices for its lookup (every table in HBM); the page-locked
+        blocks of earlier uploads go back once their copies are done."""
+        from .gpu import upload_indices
+        blocks = self._index_blocks
+        while blocks and blocks[0][0].done:
+            blocks.popleft()
+        if any(a[0] is batch for a in self._ahead):
+            return
+        got = upload_indices(self.tables, batch.indices)
+        if got is not None:
+            views, fence, block = got
+            self._ahead.append((batch, views, fence))
+            blocks.append((fence, block))
 
     def _inputs(self, batch: Batch):
         """``batch``'s dense features and labels, from the upload :meth:`prefetch` started if it did."""

@@ -272,6 +272,58 @@ def test_with_every_table_in_hbm_a_step_uploads_its_indices_once_and_bad_ones_ra
     np.testing.assert_allclose(model.train_step(batches[3]).loss, plain.train_step(batches[3]).loss, rtol=1e-4)
 
 
+@pytest.mark.gpu
+@requires_gpu
+def test_with_every_table_in_hbm_the_next_batchs_indices_go_up_a_step_ahead_and_a_bad_one_raises_at_its_own_step(
+        monkeypatch):
+    """Given the next batch, a step of tables in HBM uploads that batch's indices (checked and
+    narrowed to int32 in one pass) beside itself, and the next step's lookup and update use them
+    without uploading their own: the CPU model's losses all the way. A next batch with an index
+    out of range is not uploaded ahead; its own step refuses it with the host path's error
+    before any table changes, and training goes on."""
+    import dataclasses
+    import cupy as cp
+    from dlrm import DLRM, DLRMConfig
+    from dlrm.data import SyntheticData
+    from embeddings import SimpleEmbedding
+    from embeddings.gpu.backend import CudaBackend
+
+    sizes, F = [50, 200, 30, 1000], 4
+    cfg = DLRMConfig(sizes, F, (6, 16, F), (16, 1))
+    data = SyntheticData(sizes, 6, 64, num_indices=3, seed=2)
+    batches = [data.batch(i) for i in range(6)]
+    bad = dataclasses.replace(batches[3], indices=[i.copy() for i in batches[3].indices])
+    bad.indices[2][5, 1] = 30
+    batches[3] = bad
+    rng = np.random.default_rng(1)
+    W = [rng.random((n, F), dtype=np.float32) - 0.5 for n in sizes]
+    plain = DLRM(cfg, [SimpleEmbedding(w.copy(), name=f"t{i}") for i, w in enumerate(W)], lr=0.1)
+    model = DLRM(cfg, [SimpleEmbedding(cp.asarray(w), name=f"t{i}") for i, w in enumerate(W)], lr=0.1, device="gpu")
+    uploads = []
+    real_be = CudaBackend.asarray
+    monkeypatch.setattr(CudaBackend, "asarray",
+                        lambda be, a, *k, **kw: (uploads.append(id(a)), real_be(be, a, *k, **kw))[1])
+    for j in range(3):
+        uploads.clear()
+        nxt = batches[j + 1]
+        np.testing.assert_allclose(model.train_step(batches[j], nxt).loss, plain.train_step(batches[j]).loss,
+                                   rtol=1e-4)
+        own = [x for x in uploads if x in {id(i) for i in batches[j].indices}]
+        assert own == ([] if j else [id(i) for i in batches[j].indices])  # the first batch had no step before it
+        ahead = [a for a in model._ahead if a[0] is nxt]
+        assert (len(ahead) == 1) == (nxt is not bad)
+        if ahead:
+            assert all(v.dtype == np.int32 and v.shape == i.shape and np.array_equal(v.get(), i)
+                       for v, i in zip(ahead[0][1], nxt.indices))
+    before = [t.data.get() for t in model.tables]
+    with pytest.raises(IndexError, match=r"t2: index 30 at position \(5, 1\) is out of range for a table of 30 rows"):
+        model.train_step(bad, batches[4])
+    assert all(np.array_equal(t.data.get(), w) for t, w in zip(model.tables, before))
+    for j in (4, 5):
+        np.testing.assert_allclose(model.train_step(batches[j], batches[j + 1] if j < 5 else None).loss,
+                                   plain.train_step(batches[j]).loss, rtol=1e-4)
+
+
 def test_the_model_refuses_an_unknown_device():
     from dlrm import DLRM, DLRMConfig
     from embeddings import SimpleEmbedding
