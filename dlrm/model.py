@@ -14,7 +14,8 @@ With ``device="gpu"`` the tables are GPU tables (in HBM, or cached in HBM over h
 every phase runs on the GPU: the lookup is a JAX array on the GPU that the jitted dense step
 takes without a copy, and its gradient goes back to the update kernels the same way. When the
 next batch is known (``train_step(batch, next_batch)``), its rows are prefetched into cached
-tables before the dense work, so their misses are copied while it runs.
+tables before the dense work, so their misses are copied while it runs; with every table in HBM
+its indices are uploaded then instead (:func:`dlrm.gpu.upload_indices`).
 """
 
 from __future__ import annotations
