@@ -118,36 +118,32 @@ def prefetch_next(tables: Sequence[Any], indices: Sequence[Any], background: boo
     return None
 
 
-def upload_indices(tables: Sequence[Any], indices: Sequence[np.ndarray]) -> tuple[list, Any, np.ndarray] | None:
-    """Every table's next batch of host ``indices`` on the device, for tables all in HBM: copied in
-    one parallel pass into one page-locked block of the type every table's rows fit (int32
-    below 2**31 rows), its range checked on the way (a narrowed value must not wrap into range),
-    and uploaded on a side stream without waiting (beside the current step, not between its
-    kernels). Returns the device arrays (shaped as ``indices``), the event after the copy (for
-    the stream that uses them to follow) and the block, which must stay allocated until that
-    event has passed; None when some batch is not integers or has a value out of range (its
-    lookup then uploads and checks it itself, raising there). Done a step ahead, this is the
-    host copy a lookup of device tables otherwise makes on the training thread (8 x 2.6 MB
-    of int64 for the DLRM benchmark's step)."""
-    from embeddings.gpu.backend import cuda_backend
-    from embeddings.kernels.checks import copy_checked_each
+def upload_indices(tables: Sequence[Any], indices: Sequence[np.ndarray]) -> tuple[list, Any, list] | None:
+    """Every table's next batch of host ``indices`` on the device, for tables all in HBM: checked
+    and narrowed where the rows allow (int32 below 2**31 rows) into page-locked blocks in one
+    parallel pass (:func:`embeddings.gpu.backend.checked_index_blocks`: a narrowed value must
+    not wrap into range), and copied up on a side stream without waiting (beside the current
+    step, not between its kernels). Returns the device arrays (shaped as ``indices``), the event
+    after the copies (for the stream that uses them to follow) and the blocks, which must stay
+    allocated, as must the device arrays, until that event has passed; None when some batch is
+    not integers or has a value out of range (its lookup then uploads and checks it itself,
+    raising there). Done a step ahead, this is the host copy a lookup of device tables
+    otherwise makes on the training thread (8 x 2.6 MB of int64 for the DLRM benchmark's step)."""
+    from embeddings.gpu.backend import checked_index_blocks, cuda_backend
 
     flats = [np.ascontiguousarray(np.asarray(i).reshape(-1)) for i in indices]
     if any(f.dtype.kind != "i" for f in flats):
         return None
-    bounds = [int(t.nvectors()) for t in tables]
     be = cuda_backend()
-    block = be.bounce((sum(f.size for f in flats),), np.int32 if max(bounds) < 2 ** 31 else np.int64)
-    cuts = np.cumsum([0] + [f.size for f in flats])
-    outs = [block[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
-    if (copy_checked_each(flats, bounds, outs) >= 0).any():
+    blocks, bad = checked_index_blocks([be] * len(flats), flats, [int(t.nvectors()) for t in tables])
+    if (bad >= 0).any():
         return None
-    dev = be.xp.empty(block.shape, block.dtype)  # allocated on this stream, which frees it
-    with be.aside():  # the copy beside this stream's work, after what is queued on it so far
-        be.upload_blocks([block], out=dev)
+    devs = [be.xp.empty(b.shape, b.dtype) for b in blocks]  # allocated on this stream, which frees them
+    with be.aside():  # the copies beside this stream's work, after what is queued on it so far
+        for dev, block in zip(devs, blocks):
+            be.upload_blocks([block], out=dev)
         fence = be.fence()
-    views = [dev[a:b].reshape(np.shape(i)) for a, b, i in zip(cuts[:-1], cuts[1:], indices)]
-    return views, fence, block
+    return [d.reshape(np.shape(i)) for d, i in zip(devs, indices)], fence, blocks
 
 
 def finish_prefetch(pending: Any) -> None:

@@ -116,7 +116,8 @@ class DLRM:
         self._indices: tuple[Batch, list] | None = None
         # uploaded a step ahead by prefetch: (batch, its device indices, the copy's event), at most two batches
         self._ahead: collections.deque = collections.deque(maxlen=2)
-        self._index_blocks: collections.deque = collections.deque()  # (event, page-locked block it reads)
+        # (event, what the copy up reads and writes: page-locked blocks, device arrays), kept until it has passed
+        self._index_blocks: collections.deque = collections.deque()
         g = max(1, int(group_size)) if device == "cpu" else len(self.tables)
         self.groups = [(a, min(a + g, len(self.tables))) for a in range(0, len(self.tables), g)]
         self.ensembles = [] if self._per_table else [Ensemble(self.tables[a:b]) for a, b in self.groups]
@@ -230,9 +231,9 @@ class DLRM:
             return
         got = upload_indices(self.tables, batch.indices)
         if got is not None:
-            views, fence, block = got
+            views, fence, host = got
             self._ahead.append((batch, views, fence))
-            blocks.append((fence, block))
+            blocks.append((fence, (host, views)))  # an upload dropped unused must not free memory the copy writes
 
     def _inputs(self, batch: Batch):
         """``batch``'s dense features and labels, from the upload :meth:`prefetch` started if it did."""

@@ -589,11 +589,11 @@ def test_a_prefetched_batch_is_range_checked_once_and_any_other_batch_at_its_loo
     t, ref = make(W0, m, cache_rows=120, ways=4, name="t"), Reference(W0)
     a, b = zipf_batch(rng, 16, 5), zipf_batch(rng, 16, 5)
     want_a, want_b = ref.lookup(a), ref.lookup(b)
-    import embeddings.gpu.lru as LRU
+    import embeddings.gpu.backend as BE
     checked = []
-    check, copy = EB.out_of_range, LRU.copy_checked_each
+    check, copy = EB.out_of_range, BE.copy_checked_each
     monkeypatch.setattr(EB, "out_of_range", lambda flat, n: checked.append(flat.size) or check(flat, n))
-    monkeypatch.setattr(LRU, "copy_checked_each",
+    monkeypatch.setattr(BE, "copy_checked_each",
                         lambda flats, n, outs: checked.extend(f.size for f in flats) or copy(flats, n, outs))
     prefetch(t, a.ravel())
     assert checked == [80]  # as the prefetch copies the batch for the device
@@ -1340,13 +1340,15 @@ def test_the_benchmarks_rounds_alternate_the_contenders_and_keep_every_rounds_ra
 
 def test_the_batches_of_a_prefetch_are_slices_of_one_block_in_table_order():
     """``prefetch_works`` copies each table's batch into the next slice of one page-locked block
-    (of the type its rows fit), so a placement group's batches go up in one copy."""
-    import embeddings.gpu.lru as LRU
+    (of the type its rows fit), so a placement group's batches go up in one copy; the same pass
+    finds each batch's first index out of range."""
+    from embeddings.gpu.backend import checked_index_blocks
     rng, m, ts, refs, batches = two_tables(14, cache_rows=24, ways=4)
-    flats = [np.arange(5), np.arange(7) + 3]
-    blocks = LRU._index_blocks(ts, flats)
+    flats = [np.arange(5), np.arange(7) + N - 6]
+    blocks, bad = checked_index_blocks([t.backend for t in ts], flats, [t.nvectors() for t in ts])
     assert [b.size for b in blocks] == [5, 7] and all(b.dtype == np.int32 for b in blocks)
     assert blocks[1].ctypes.data == blocks[0].ctypes.data + blocks[0].nbytes  # adjacent: one copy
+    assert all(np.array_equal(b, f) for b, f in zip(blocks, flats)) and bad.tolist() == [-1, 6]  # N is past the rows
     for t in ts:
         t.close()
     m.check()

@@ -23,6 +23,8 @@ import numpy as np
 
 from cachedarrays.devices.gpu import HOST_REGISTER_FLAGS
 
+from ..kernels.checks import copy_checked_each
+
 from . import cuda, reference
 
 
@@ -77,6 +79,26 @@ def long_row_bounds(L: int, C: int) -> tuple[int, int]:
     runs' lengths add up to at most ``L``."""
     most = L // (C + 1)
     return most, (L + most * (C - 1)) // C
+
+
+def checked_index_blocks(backends: list, flats: list[np.ndarray], bounds: list[int]) -> tuple[list[np.ndarray], np.ndarray]:
+    """Host batches ``flats[i]`` (1-d, contiguous) of tables of ``bounds[i]`` rows on
+    ``backends[i]``, copied into page-locked blocks of the type the rows fit (int32 below 2**31
+    rows) with their range checked in the same parallel pass (:func:`~embeddings.kernels.checks.
+    copy_checked_each`): the blocks, and each batch's first position out of range (or -1). One
+    allocation per kind of backend and type, each batch's block the next slice of it, so the
+    blocks of one type go up in one copy (:meth:`CudaBackend.upload_blocks`)."""
+    kinds: dict = {}
+    for i, (be, n) in enumerate(zip(backends, bounds)):
+        kinds.setdefault((type(be), np.int32 if n < 2 ** 31 else np.int64), []).append(i)
+    blocks: list = [None] * len(flats)
+    for (_, dtype), ids in kinds.items():
+        whole = backends[ids[0]].bounce((sum(int(flats[i].size) for i in ids),), dtype)
+        at = 0
+        for i in ids:
+            blocks[i] = whole[at:at + flats[i].size]
+            at += flats[i].size
+    return blocks, copy_checked_each(flats, bounds, blocks)
 
 
 def counts_stay(L: int, C: int, F: int) -> bool:

@@ -57,11 +57,10 @@ from cachedarrays.errors import InvariantError
 
 from .. import cached as C
 from ..batch import Bags
-from ..kernels.checks import copy_checked_each
 from ..optim import RowwiseAdagrad
 from ..protocol import EmbeddingTable
 from . import ops
-from .backend import ReferenceBackend, cuda_backend
+from .backend import ReferenceBackend, checked_index_blocks, cuda_backend
 from .cached import STAGING_ROWS, DeviceCache, host_base
 from . import lru_front as LF, lru_group as LG
 from . import update_graph as UG
@@ -266,8 +265,7 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
         table's batch is checked and copied in one parallel pass, one wake-up of the threads."""
         flats = [t.validate(idx, None, None, None, known_valid=True).indices  # the range is checked below
                  for t, idx in zip(tables, indices)]
-        blocks = _index_blocks(tables, flats)
-        bad = copy_checked_each(flats, [t.nvectors() for t in tables], blocks)
+        blocks, bad = checked_index_blocks([t.backend for t in tables], flats, [t.nvectors() for t in tables])
         for t, idx, first in zip(tables, indices, bad):
             if first >= 0:
                 t.validate(idx, None, None, None)  # raises a lookup's error, naming the position
@@ -655,23 +653,6 @@ def _slot_type(tables: Sequence[LRUCachedEmbeddings]) -> type:
     """The type of the slots a lookup of these tables reads (int32 while every table's slots,
     staging rows included, number below 2**31)."""
     return np.int32 if all(t._W.shape[0] < 2 ** 31 for t in tables) else np.int64
-
-
-def _index_blocks(tables: Sequence[LRUCachedEmbeddings], flats: Sequence[np.ndarray]) -> list[np.ndarray]:
-    """Page-locked blocks for the tables' batches, of the type their rows fit (int32 below 2**31
-    rows): one allocation per kind of backend and type, each table's block the next slice of it,
-    so that a placement group's batches go up in one copy (:meth:`~.backend.CudaBackend.upload_blocks`)."""
-    kinds: dict = {}
-    for i, t in enumerate(tables):
-        kinds.setdefault((type(t.backend), np.int32 if t.nvectors() < 2 ** 31 else np.int64), []).append(i)
-    blocks: list = [None] * len(tables)
-    for (_, dtype), ids in kinds.items():
-        whole = tables[ids[0]].backend.bounce((sum(int(flats[i].size) for i in ids),), dtype)
-        at = 0
-        for i in ids:
-            blocks[i] = whole[at:at + flats[i].size]
-            at += flats[i].size
-    return blocks
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
