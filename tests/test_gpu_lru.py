@@ -114,8 +114,9 @@ def test_staged_reads_gather_the_rows_on_the_host_and_a_bad_choice_is_refused(mo
         make(W0, m, cache_rows=40, ways=4, reads="dma", name="t")
     m.check()
     gathered, reads = [], []
-    gather, move = LG.gather_rows, LG.move
-    monkeypatch.setattr(LG, "gather_rows", lambda jobs: gathered.append(sum(r.size for _, r, _ in jobs)) or gather(jobs))
+    gather, move = LG.gather_signalled, LG.move
+    monkeypatch.setattr(LG, "gather_signalled", lambda tables, tabs, rows, *a, **kw: gathered.append(rows.size)
+                        or gather(tables, tabs, rows, *a, **kw))
     monkeypatch.setattr(LG, "move", lambda g, *a, down, rows=True, state=True: reads.append((down, rows and a[0].size))
                         or move(g, *a, down=down, rows=rows, state=state))
     t, ref = make(W0, m, cache_rows=40, ways=4, reads="staged", name="t"), Reference(W0)
@@ -485,8 +486,9 @@ def test_split_reads_share_the_rows_and_rebalance_on_the_measured_rates(monkeypa
     W0 = rng.standard_normal((N, F)).astype(np.float32)
     m = host_manager()
     gathered, mapped, rates = [], [], []
-    gather, move, balance = LG.gather_rows, LG.move, LG.balance
-    monkeypatch.setattr(LG, "gather_rows", lambda jobs: gathered.append(sum(r.size for _, r, _ in jobs)) or gather(jobs))
+    gather, move, balance = LG.gather_signalled, LG.move, LG.balance
+    monkeypatch.setattr(LG, "gather_signalled", lambda tables, tabs, rows, *a, **kw: gathered.append(rows.size)
+                        or gather(tables, tabs, rows, *a, **kw))
     monkeypatch.setattr(LG, "balance", lambda tables, a, b: rates.append((a, b)) or balance(tables, a, b))
 
     def spy(g, slot, *a, down, rows=True, state=True):
@@ -540,14 +542,16 @@ def test_rows_sent_home_are_scattered_after_the_placements_own_gather(monkeypatc
     W0 = rng.standard_normal((N, F)).astype(np.float32)
     m = host_manager()
     log = []
-    gather, scatter = LG.gather_rows, SC.scatter_rows
+    gather, scatter = LG.gather_signalled, SC.scatter_rows
 
-    def slow_gather(jobs):
+    def slow_gather(*a, done, **kw):
+        def slow_done():
+            time.sleep(0.05)  # a scatter that did not wait would start in the meantime
+            log.append("gather ends")
+            done()
         log.append("gather starts")
-        time.sleep(0.05)  # a scatter that did not wait would start in the meantime
-        gather(jobs)
-        log.append("gather ends")
-    monkeypatch.setattr(LG, "gather_rows", slow_gather)
+        return gather(*a, done=slow_done, **kw)
+    monkeypatch.setattr(LG, "gather_signalled", slow_gather)
     monkeypatch.setattr(SC, "scatter_rows", lambda jobs: log.append("scatter") or scatter(jobs))
     t, ref = make(W0, m, cache_rows=40, ways=4, reads=reads, name="t"), Reference(W0)
     sent = 0
@@ -570,13 +574,56 @@ def test_rows_sent_home_are_scattered_after_the_placements_own_gather(monkeypatc
         idx = zipf_batch(rng, 16, 5)
         E.lookup(t, idx)
         E.pullback(t, np.ones((16, F), np.float32), idx, optimizer=E.SGD(0.1))
+        ref.pullback(np.ones((16, F), np.float32), idx, optimizer=E.SGD(0.1))
 
-    def broken(jobs):
+    def broken(*a, **kw):
         raise MemoryError("no memory for the gather")
-    monkeypatch.setattr(LG, "gather_rows", broken)
+    monkeypatch.setattr(LG, "gather_signalled", broken)
     with pytest.raises(MemoryError, match="no memory for the gather"):
         E.lookup(t, (zipf_batch(rng, 16, 5) + 200) % N)  # misses: dirty rows go home, new rows come in
     assert t._home is not None and t._home.result(timeout=10) is None  # landed: not waiting for that gather
+    t.check()  # the ways the read was filling are empty, their rows home
+    assert np.array_equal(contents(t), ref.W)
+
+
+ON_GPU = pytest.param("gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(not gpu_device.available(),
+                                                                         reason="needs a CUDA GPU and CuPy")])
+
+
+@pytest.mark.parametrize("where", ["host", ON_GPU])
+@pytest.mark.parametrize("reads", ["staged", "split"])
+def test_a_gather_that_fails_on_its_threads_empties_the_ways_it_was_filling_and_raises(monkeypatch, reads, where):
+    """The device copies and puts a read's pieces as the CPU threads' flags say they are
+    gathered; a thread that fails flags its pieces failed, the device then puts nothing and
+    empties the ways the read was filling (their rows went home first), and the lookup raises
+    the thread's error. The table stays consistent and usable."""
+    rng = np.random.default_rng(23)
+    W0 = rng.standard_normal((N, F)).astype(np.float32)
+    with (host_manager() if where == "host" else gpu_manager()) as m:
+        t, ref = make(W0, m, cache_rows=40, ways=4, reads=reads, name="t"), Reference(W0)
+        t.read_share = 0.5
+        for step in range(3):  # dirty cached rows
+            idx = zipf_batch(rng, 16, 5)
+            E.lookup(t, idx)
+            E.pullback(t, np.ones((16, F), np.float32), idx, optimizer=E.SGD(0.1))
+            ref.pullback(np.ones((16, F), np.float32), idx, optimizer=E.SGD(0.1))
+        gather = LG.gather_signalled
+
+        def bad_row(tables, tabs, rows, *a, **kw):
+            rows = rows.copy()
+            rows[-1] = tables[int(tabs[-1])].shape[0]
+            return gather(tables, tabs, rows, *a, **kw)
+        monkeypatch.setattr(LG, "gather_signalled", bad_row)
+        with pytest.raises(IndexError, match="outside it"):
+            E.lookup(t, (zipf_batch(rng, 16, 5) + 200) % N)  # misses: dirty rows go home, new rows come in
+        t.check()
+        assert np.array_equal(contents(t), ref.W)
+        monkeypatch.setattr(LG, "gather_signalled", gather)
+        idx = zipf_batch(rng, 16, 5)
+        assert np.array_equal(_host(E.lookup(t, idx)), ref.lookup(idx))
+        t.check()
+        t.close()
+        m.check()
 
 
 def test_a_prefetched_batch_is_range_checked_once_and_any_other_batch_at_its_lookup(monkeypatch):
@@ -848,17 +895,23 @@ def test_a_table_batched_prefetch_makes_each_tables_own_decisions(monkeypatch):
     for reads in ("staged", "split"):
         other, _ = trace_tables(host_manager(), True, reads=reads)
         assert_same_traces(other, alone)
+    import embeddings.gpu.backend as BE
     calls = []  # staged reads gathered piece by piece, each piece copied up on its own
-    gather = LG.gather_rows
-    monkeypatch.setattr(LG, "gather_rows", lambda jobs: calls.append(jobs) or gather(jobs))
+    gather, upload = LG.gather_signalled, BE.ReferenceBackend.upload
+    monkeypatch.setattr(LG, "gather_signalled", lambda tables, tabs, rows, block, cuts, *a, **kw:
+                        calls.append(cuts.size - 1) or gather(tables, tabs, rows, block, cuts, *a, **kw))
+    ups = []
+    monkeypatch.setattr(BE.ReferenceBackend, "upload", lambda self, dst, src: ups.append(len(src)) or upload(self, dst, src))
     monkeypatch.setattr(LG, "READ_PIECE_ROWS", 1)
     counted = []
     for pieces in (1, 4):
         calls.clear()
         monkeypatch.setattr(LG, "READ_PIECES", pieces)
+        ups.clear()
         other, _ = trace_tables(host_manager(), True, reads="staged")
         assert_same_traces(other, alone)
-        counted.append(len(calls))
+        counted.append(sum(calls))
+        assert len([n for n in ups if n]) >= sum(calls) - len(calls)  # each piece up on its own (some may be empty)
     assert counted[1] > 3 * counted[0]  # reads of four rows or more, in four pieces
 
 

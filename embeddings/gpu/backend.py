@@ -32,6 +32,9 @@ SMALL = 1 << 16  # bytes: arrays up to this size come to the host through a page
 # bytes of chunk sums an update may allocate for the most long rows its batch allows rather than
 # wait for their count (a DLRM table's batch of 327,680 entries, rows of 64 floats: 5 MB)
 SCRATCH = 16 << 20
+# seconds a device stream waits for host threads' flags (wait_flags) before it gives up with an
+# error: the gather it waits for takes milliseconds; this only bounds a wait that went wrong
+FLAG_TIMEOUT_S = 10.0
 
 
 def size_class(nbytes: int) -> int:
@@ -191,6 +194,17 @@ class ReferenceBackend:
 
     def follow(self, fence: Any) -> None:
         pass
+
+    def wait_flags(self, flags: np.ndarray, err: np.ndarray, timeout_s: float = FLAG_TIMEOUT_S) -> None:
+        """:meth:`CudaBackend.wait_flags` on the host, which runs work as it is queued: wait here."""
+        deadline = time.monotonic() + timeout_s
+        while not np.all(flags):
+            if time.monotonic() > deadline:
+                err[0] = 2
+                return
+            time.sleep(1e-4)
+        if np.any(flags != 1):
+            err[0] = 1
 
     def check(self, flags, slot: int, idx, n: int, off, grad) -> None:
         """Set ``flags[slot + 0/1/2]`` for a bad index, bad offsets, a non-finite gradient."""
@@ -482,6 +496,16 @@ class CudaBackend:
         """Make the current stream wait (on the device, not the host) for ``fence``."""
         if fence is not None:
             self.xp.cuda.get_current_stream().wait_event(fence)
+
+    def wait_flags(self, flags: np.ndarray, err: Any, timeout_s: float = FLAG_TIMEOUT_S) -> None:
+        """Make the current stream wait, on the device, until every int64 of page-locked
+        ``flags`` is nonzero: stores of host threads (:mod:`~embeddings.kernels.signalled`),
+        which one GPU thread reads through their mapped address, a microsecond apart. Work
+        queued after this runs once they are, with no host thread in between; it runs after a
+        failure too, so it checks ``err`` (a device int32): 1 if a flag is not 1 (its writer
+        failed), 2 if ``timeout_s`` passed first (nothing then waits for ever)."""
+        cuda.kernel("wait_flags")((1,), (1,), (np.uint64(flags.ctypes.data), np.int32(flags.size),
+                                               np.int64(timeout_s * 1e9), err))
 
     def check(self, flags, slot: int, idx, n: int, off, grad) -> None:
         """One kernel over indices, offsets and gradient (any of them None)."""

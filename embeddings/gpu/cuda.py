@@ -390,6 +390,23 @@ extern "C" __global__ void pull_u64(const u64* src, u64* dst, i64 n, const i64* 
 extern "C" __global__ void pull_u8(const unsigned char* src, unsigned char* dst, i64 n) {
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) dst[i] = src[i];
 }
+
+/* one thread: wait until every one of the n flags in page-locked host memory (read through its
+   mapped address) is nonzero (CudaBackend.wait_flags); *err = 1 if one is not 1 (its writer
+   failed), 2 if timeout_ns passed first */
+extern "C" __global__ void wait_flags(const volatile i64* flags, int n, i64 timeout_ns, int* err) {
+    u64 t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    for (;;) {
+        bool all = true, failed = false;
+        for (int i = 0; i < n; ++i) { i64 f = flags[i]; all = all && f != 0; failed = failed || (f != 0 && f != 1); }
+        if (all) { if (failed) *err = 1; break; }
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        if ((i64)(t - t0) > timeout_ns) { *err = 2; break; }
+        __nanosleep(1000);
+    }
+    __threadfence_system();
+}
 """
 
 NULL = np.uint64(0)  # a null pointer argument

@@ -8,8 +8,8 @@ the concatenated indices, one sort of keys that number the sets of all tables on
 other (so each table's misses stay grouped by set, the tables one after the other), one victim
 selection, one write-back (:func:`write_back`: one block, one copy, CPU threads at home in the
 background), one read of the rows that move (:func:`read`: by default a kernel through the
-mapped host addresses of a share of them beside CPU threads gathering the rest into one block
-that goes up in one copy), one settle. Each kernel finds its table's parameters and arrays
+mapped host addresses of a share of them beside CPU threads gathering the rest into one block,
+whose pieces the device copies up as the threads' flags say they are gathered), one settle. Each kernel finds its table's parameters and arrays
 (tags, stamps, dirty bits, rows, the mapped base table, Adagrad's accumulators) in a small table
 of pointers, :attr:`Group.dev`. Everything before the host learns how many rows move is one
 function, :func:`front`, of shapes the batch's size fixes, that queues no host wait and ends by
@@ -24,12 +24,12 @@ table by table with :mod:`.lru_kernels` and are what CI runs, and a GPU test com
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..kernels.scatter import gather_rows, scatter_later
+from ..kernels.scatter import THREADS, scatter_later
+from ..kernels.signalled import Gathering, gather_signalled
 from . import cuda
 from . import lru_kernels as LK
 
@@ -165,9 +165,12 @@ extern "C" __global__ void NAME(const i64* slot, const i64* tab, i64 n, int FT, 
 TB_GATHER(tb_gather_v4, float4)
 TB_GATHER(tb_gather_v1, float)
 
-/* slot slot[j] of table tab[j] = in[j], for the n rows coming in (one contiguous block) */
+/* slot slot[j] of table tab[j] = in[j], for the n rows coming in (one contiguous block); nothing
+   if *err (the block's gather failed) */
 #define TB_PUT(NAME, T_) \
-extern "C" __global__ void NAME(const i64* slot, const i64* tab, i64 n, int FT, const i64* tabs, const T_* in) { \
+extern "C" __global__ void NAME(const i64* slot, const i64* tab, i64 n, int FT, const i64* tabs, const T_* in, \
+                                const int* err) { \
+    if (err && *err) return; \
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n * FT; i += (i64)gridDim.x * blockDim.x) { \
         i64 j = i / FT, c = i - j * FT; \
         ((T_*)tabs[tab[j] * NF + P_W])[slot[j] * FT + c] = in[i]; } }
@@ -186,13 +189,18 @@ extern "C" __global__ void tb_mail(const i64* tabs, int T, i64* out) {
     if (i < T * 5) out[i] = ((const i64*)tabs[(i / 5) * NF + P_COUNTS])[i % 5];
 }
 
-extern "C" __global__ void tb_settle(const i64* row, const i64* victim, const i64* tid, i64 n, const i64* tabs) {
+/* the victims take their new rows; if *err (their read failed) they are emptied instead: what they
+   held has gone home, and what they hold now is not known */
+extern "C" __global__ void tb_settle(const i64* row, const i64* victim, const i64* tid, i64 n, const i64* tabs,
+                                     const int* err) {
+    bool failed = err && *err;
     for (i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += (i64)gridDim.x * blockDim.x) {
         i64 v = victim[j];
         if (v < 0) continue;
         const i64* P = tabs + tid[j] * NF;
         i64* tags = (i64*)P[P_TAGS];
         bool* dirty = (bool*)P[P_DIRTY];
+        if (failed) { tags[v] = -1; dirty[v] = false; if (P[P_USES]) ((int*)P[P_USES])[v] = 0; continue; }
         unsigned long long* counts = (unsigned long long*)P[P_COUNTS];
         atomicAdd(&counts[2], 1ull);
         if (tags[v] >= 0 && dirty[v]) atomicAdd(&counts[3], 1ull);
@@ -203,11 +211,10 @@ extern "C" __global__ void tb_settle(const i64* row, const i64* victim, const i6
 """
 
 
-# a staged read gathers in this many pieces, each copied up as soon as it is gathered; each piece
-# costs the prefetch thread Python, which the training step waits for (the GIL): in one process on
-# the H100 a DLRM step took 16.7 ms with 4 pieces and 15.2 with 2; in another, 14.5 with 2, 14.9
-# with 1 and 15.9 with 3
-READ_PIECES = 2
+# a staged read gathers in at most this many pieces, each copied up and put as soon as every CPU
+# thread has gathered its share (the device waits for their flags): only the last piece's copy and
+# put follow the gather, and a piece costs the prefetch thread three launches, not Python per piece
+READ_PIECES = 8
 READ_PIECE_ROWS = 16384  # rows a piece has at least
 
 
@@ -239,6 +246,8 @@ class Group:
         # rows it sends home are scattered only then, not beside the gather on the same cores
         self.gathered = threading.Event()
         self.holds: list = []  # events after the device work that still reads this placement's arrays (the copy home)
+        self.reading: Reading | None = None  # a staged or split read's host side, until :func:`finish_read`
+        self.err: Any = None  # set by a read whose CPU gather failed (:meth:`~.backend.CudaBackend.wait_flags`)
         self.dev = self.doff = self.dsbase = None
         if not self.host:
             be = tables[0].backend
@@ -382,25 +391,43 @@ def write_back(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, n: int) -> 
         tb._home = home
 
 
+class Reading(NamedTuple):
+    """What a staged or split read holds until the device has passed its copies
+    (:func:`finish_read`): the CPU threads' gather, the page-locked block and flags they write,
+    the device block the pieces go up into, and the timing of the share read through mapped
+    addresses (``start``, ``end``; ``k`` rows) beside the gather of ``m``."""
+    gathering: Gathering
+    block: np.ndarray
+    flags: np.ndarray
+    up: Any
+    start: Any
+    end: Any
+    k: int
+    m: int
+
+
 def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, n: int, htab: np.ndarray | None,
          hrows: np.ndarray | None) -> None:
     """Bring in the first ``count`` rows (``n``, as the host read it), ``j``: host row ``hrow[j]``
     of table ``tab[j]`` into its slot ``slot[j]`` (grouped by table, host-address order within each), as the tables'
     ``reads`` says. Mapped reads: the GPU reads each row through its mapped host address.
     Staged reads: CPU threads gather the rows into one page-locked block
-    (:func:`~embeddings.kernels.scatter.gather_rows`), in :data:`READ_PIECES` pieces each copied
-    up as soon as it is gathered (so only the last piece's copy follows the gather), and put into
-    the slots on the device: no SM waits on PCIe (mapped reads stall the blocks that issue
-    them, and slowed the current batch's update kernels beside them 2-3x on the H100), at the
-    price of host threads (which find the tables and rows of the first ``n`` moves in ``htab``
-    and ``hrows`` on the host). Split reads (the default): both
-    at once, the GPU reading the first ``read_share`` of the rows (the first tables' rows) on a
-    side stream while CPU threads gather the rest. The two are bound by different things (the
-    GPU by the reach of its translation of host addresses, about 41,000 random rows a ms over
-    92 GB on the H100; the CPU threads by the latency of host memory), so each takes its share
-    in less time than either would take for all; each read's two rates set the next share
-    (:func:`balance`). Adagrad's accumulators (4 bytes a row) are read through their mapped
-    addresses either way."""
+    (:func:`~embeddings.kernels.signalled.gather_signalled`, which finds the tables and rows of the
+    first ``n`` moves in ``htab`` and ``hrows`` on the host) in up to :data:`READ_PIECES` pieces,
+    and the device copies each piece up and puts its rows into their slots as soon as the
+    threads' flags say it is gathered (:meth:`~.backend.CudaBackend.wait_flags`): every copy and
+    put is queued before the gather starts, so no host thread stands between the gather and the
+    device, and this returns while the threads gather (:func:`finish_read` joins them). No SM
+    waits on PCIe (mapped reads stall the blocks that issue them, and slowed the current batch's
+    update kernels beside them 2-3x on the H100), at the price of host threads. Split reads (the
+    default): both at once, the GPU reading the first ``read_share`` of the rows (the first
+    tables' rows) on a side stream while CPU threads gather the rest. The two are bound by
+    different things (the GPU by the reach of its translation of host addresses, about 41,000
+    random rows a ms over 92 GB on the H100; the CPU threads by the latency of host memory), so
+    each takes its share in less time than either would take for all; each read's two rates set
+    the next share (:func:`balance`). Adagrad's accumulators (4 bytes a row) are read through
+    their mapped addresses either way. Work queued after this (the settle) checks
+    :attr:`Group.err`, which a failed gather sets."""
     if g.reads == "mapped":
         move(g, slot, tab, hrow, count, down=False)
         return
@@ -413,22 +440,42 @@ def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, n: int, htab: np.
         start = be.clock()
         move(g, slot[:k], tab[:k], hrow[:k], count, down=False, state=False)
         end = be.clock()
-    t0 = time.perf_counter()
-    F = g.tables[0]._W.shape[1]
     m = n - k
-    tabs, rows, block = htab[k:n], hrows[k:n], be.bounce((m, F), np.float32)
-    up = be.xp.empty((m, F), np.float32)
+    if m == 0:
+        g.reading = Reading(None, None, None, None, start, end, k, m)
+        return
+    F = g.tables[0]._W.shape[1]
+    block, up = be.bounce((m, F), np.float32), be.xp.empty((m, F), np.float32)
     cuts = np.linspace(0, m, max(1, min(READ_PIECES, m // READ_PIECE_ROWS)) + 1).astype(np.int64)
-    for a, b in zip(cuts[:-1], cuts[1:]):  # each piece goes up while the CPU threads gather the next
-        gather_rows(_per_table(g, tabs[a:b], rows[a:b], block[a:b]))
+    threads = max(1, min(THREADS, m // READ_PIECE_ROWS))
+    flags = be.bounce(((cuts.size - 1) * threads,), np.int64)
+    g.err = be.xp.zeros(1, np.int32)
+    gathering = gather_signalled([tb._base for tb in g.tables], htab[k:n], hrows[k:n], block, cuts, flags,
+                                 done=g.gathered.set)  # the rows going home may go now, not when the read is done
+    g.reading = Reading(gathering, block, flags, up, start, end, k, m)
+    for p, (a, b) in enumerate(zip(cuts[:-1].tolist(), cuts[1:].tolist())):
+        be.wait_flags(flags[p * threads:(p + 1) * threads], g.err)
         be.upload(up[a:b], block[a:b])
-    gathered = time.perf_counter() - t0
-    g.gathered.set()  # the rows going home may go now, not when the whole read is done
-    put(g, slot[k:n], tab[k:n], up)
+        put(g, slot[k + a:k + b], tab[k + a:k + b], up[a:b], g.err)
     be.follow(end)
-    be.wait(be.fence())  # the block is read before its page-locked memory can go back to the pool
-    if k and m:
-        balance(g.tables, k / max(be.elapsed(start, end), 1e-9), m / max(gathered, 1e-9))
+
+
+def finish_read(g: Group) -> None:
+    """Once the device has passed a staged or split read (the host waited for work queued after
+    it): join its CPU threads, raise what went wrong (the settle has then emptied the ways the
+    read was filling), and set the next read's share from the rates of this one's two parts."""
+    r, g.reading = g.reading, None
+    if r is None:
+        return
+    gathered = r.gathering.result() if r.gathering is not None else 0.0
+    err = int(g.tables[0].backend.to_host(g.err)[0]) if g.err is not None else 0
+    if err:
+        raise RuntimeError(f"a placement of {g.tables[0].name}{' and more tables' if g.T > 1 else ''}: the device "
+                           f"waited {'for a gather that failed' if err == 1 else 'too long for the gather'} of the "
+                           "rows it brings in; their ways were emptied")
+    if r.k and r.m:
+        be = g.tables[0].backend
+        balance(g.tables, r.k / max(be.elapsed(r.start, r.end), 1e-9), r.m / max(gathered, 1e-9))
 
 
 def _per_table(g: Group, tabs: np.ndarray, rows: np.ndarray, block: np.ndarray) -> list:
@@ -450,17 +497,20 @@ def balance(tables: list, gpu_rate: float, cpu_rate: float) -> None:
         tb.read_share = share
 
 
-def put(g: Group, slot: Any, tab: Any, block: Any) -> None:
-    """Rows ``block[j]`` into slot ``slot[j]`` of table ``tab[j]`` (the inverse of :func:`gather`)."""
+def put(g: Group, slot: Any, tab: Any, block: Any, err: Any = None) -> None:
+    """Rows ``block[j]`` into slot ``slot[j]`` of table ``tab[j]`` (the inverse of :func:`gather`);
+    nothing if ``err`` (a device int32) is set when the device gets there."""
     n = int(slot.size)
     if g.host:
+        if err is not None and err[0]:
+            return
         for t, tb in enumerate(g.tables):
             at = np.flatnonzero(tab == t)
             tb._W[slot[at]] = block[at]
         return
     F = g.tables[0]._W.shape[1]
     vt, FT = LK.vector_kind(F, block, *(tb._W for tb in g.tables))
-    _launch(f"tb_put_{vt}", n * FT, (slot, tab, np.int64(n), np.int32(FT), g.dev, block))
+    _launch(f"tb_put_{vt}", n * FT, (slot, tab, np.int64(n), np.int32(FT), g.dev, block, cuda.ptr(err)))
 
 
 def mail(g: Group) -> np.ndarray:
@@ -469,11 +519,13 @@ def mail(g: Group) -> np.ndarray:
     through the mapped address of page-locked memory (no copy engine, so not behind the rows
     going home) and the host waits once; one launch, not one copy per table."""
     if g.host:
+        finish_read(g)
         return np.stack([np.array(t._counts) for t in g.tables])
     be = g.tables[0].backend
     out = be.bounce((g.T, 5), np.int64)
     _launch("tb_mail", g.T * 5, (g.dev, np.int32(g.T), np.uint64(out.ctypes.data)))
     be.wait(be.fence())
+    finish_read(g)
     return out
 
 
@@ -532,13 +584,21 @@ def move(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, down: bool, rows:
 
 
 def settle(g: Group, row: Any, victim: Any, tid: Any) -> None:
-    """:func:`.lru_kernels.settle` for every table's victims."""
+    """:func:`.lru_kernels.settle` for every table's victims, or, if the read failed
+    (:attr:`Group.err` set when the device gets there), the victims emptied: what they held
+    has gone home, and what they hold now is not known."""
     if g.host:
         for t, tb in enumerate(g.tables):
             at = tid == t
+            if g.err is not None and g.err[0]:
+                v = victim[at][victim[at] >= 0]
+                tb._tags[v], tb._dirty[v] = -1, False
+                if tb._uses is not None:
+                    tb._uses[v] = 0
+                continue
             LK.settle(row[at], victim[at], tb._tags, tb._stamp, tb._dirty, g.now[t], tb._counts[2:4], tb._uses)
         return
-    _launch("tb_settle", int(victim.size), (row, victim, tid, np.int64(victim.size), g.dev))
+    _launch("tb_settle", int(victim.size), (row, victim, tid, np.int64(victim.size), g.dev, cuda.ptr(g.err)))
 
 
 class HostSide(NamedTuple):
@@ -638,8 +698,13 @@ def place_front(g: Group, f: Front) -> Front:
     write_back(g, f.wslot, f.wtab, f.wrow, f.cnt[0:1], back)
     try:
         read(g, f.rslot, f.rtab, f.rrow, f.cnt[1:2], coming, f.host.tab, f.host.row)
-    finally:
-        g.gathered.set()  # the rows going home wait no longer than the read (one that gathers nothing, or fails)
+    except BaseException:
+        g.gathered.set()  # the rows going home wait no longer than a read that failed
+        g.err = g.tables[0].backend.xp.ones(1, np.int32)
+        settle(g, f.row, f.victim, f.tid)  # the ways it was filling are emptied (their rows have gone home)
+        raise
+    if g.reading is None or g.reading.gathering is None:
+        g.gathered.set()  # nor longer than a read that gathers nothing on the host
     settle(g, f.row, f.victim, f.tid)
     return f
 

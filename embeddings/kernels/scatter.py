@@ -3,9 +3,9 @@ src[i]`` (scatter), ``block[i] = table[rows[i]]`` (gather), now or in the backgr
 
 The GPU ``lru`` cache sends the rows it evicts home as one contiguous block (one DMA into
 page-locked memory) and this scatters them into the host tables, in the background so that
-the training step does not wait for it (:func:`scatter_later`); with staged and split reads it
-gathers the rows a placement brings in into one page-locked block that goes up in one DMA
-(:func:`gather_rows`). Each piece is a numba kernel that runs without the GIL, on a pool of
+the training step does not wait for it (:func:`scatter_later`); the rows a placement brings in
+are gathered on the same pool by :mod:`.signalled`, which lets the device take each piece as it is
+ready (:func:`gather_rows` gathers and waits, as the benchmarks' floors do). Each piece is a numba kernel that runs without the GIL, on a pool of
 Python threads rather than numba's parallel layer, so that it can run beside numba kernels of
 the main thread whatever threading layer numba picked.
 float32 rows of a specialised feature size are copied with vector loads and stores
@@ -175,12 +175,17 @@ def _split_run(kind: str, jobs: Sequence[Job], threads: int | None = None) -> No
         for share in shares:
             _pieces(kind, share)
         return
+    pool = thread_pool(kind, threads)
+    for f in [pool.submit(_pieces, kind, share) for share in shares]:
+        f.result()
+
+
+def thread_pool(kind: str, threads: int) -> ThreadPoolExecutor:
+    """The pool of ``threads`` threads that runs moves of ``kind`` (made on first use)."""
     with _start:
         if (kind, threads) not in _pools:
             _pools[kind, threads] = ThreadPoolExecutor(threads, thread_name_prefix=f"cachedarrays-{kind}")
-        pool = _pools[kind, threads]
-    for f in [pool.submit(_pieces, kind, share) for share in shares]:
-        f.result()
+        return _pools[kind, threads]
 
 
 def scatter_rows(jobs: Sequence[Job], threads: int | None = None) -> None:
