@@ -35,6 +35,7 @@ def test_every_row_lands_in_its_place_and_every_flag_says_done(F, m, pieces, thr
     flags = np.full(pieces * threads, 7, np.int64)
     done = []
     gathering = gather_signalled(tables, tabs, rows, block, cuts, flags, done=lambda: done.append(1))
+    assert gathering.running(timeout_s=10)  # every thread inside its share (or done): no GIL needed to finish
     assert gathering.result() >= 0
     want = np.stack([tables[t][r] for t, r in zip(tabs, rows)]) if m else block
     assert np.array_equal(block, want)
@@ -79,6 +80,25 @@ def test_a_row_out_of_range_fails_its_threads_pieces_and_raises_naming_it():
     assert err[0] == 1
 
 
+def test_running_says_whether_every_thread_has_begun_its_share():
+    """A share still queued (its pool busy) needs the GIL to begin: ``running`` says False until
+    it has begun, so a caller never queues a device wait that such a share could block."""
+    from embeddings.kernels.scatter import THREADS, thread_pool
+    rng = np.random.default_rng(5)
+    tables = _tables(rng, 8)
+    tabs, rows = _rows(rng, tables, 200)
+    release = threading.Event()
+    busy = [thread_pool("gather", THREADS).submit(release.wait, 10) for _ in range(THREADS)]
+    block, flags = np.zeros((200, 8), np.float32), np.empty(2, np.int64)
+    gathering = gather_signalled(tables, tabs, rows, block, np.array([0, 100, 200]), flags)
+    assert not gathering.running(timeout_s=0.05) and np.all(flags == 0)
+    release.set()
+    assert gathering.running(timeout_s=10)
+    gathering.result()
+    assert all(f.result() for f in busy) and np.all(flags == DONE)
+    assert np.array_equal(block, np.stack([tables[t][r] for t, r in zip(tabs, rows)]))
+
+
 def test_a_waiter_gives_up_after_its_timeout_with_an_error():
     be, err = ReferenceBackend(), np.zeros(1, np.int32)
     flags = np.array([DONE, 0], np.int64)
@@ -96,6 +116,7 @@ def test_an_error_in_a_thread_still_sets_its_flags_and_calls_done(monkeypatch):
     done = threading.Event()
     gathering = gather_signalled(tables, tabs, rows, np.zeros((100, 8), np.float32), np.array([0, 30, 60, 100]),
                                  flags, done=done.set)
+    assert gathering.running(timeout_s=10)  # the threads ended before their shares began
     with pytest.raises(MemoryError, match="out of memory"):
         gathering.result()
     assert np.all(flags == FAILED) and done.is_set()
@@ -117,3 +138,38 @@ def test_bad_arguments_are_refused_before_any_thread_starts():
     with pytest.raises(ValueError, match="the block must be 2-d with contiguous rows"):
         gather_signalled(tables, tabs, rows, np.zeros((10, 16), np.float32)[:, ::2], cuts, flags)
     assert np.all(flags == 5) and np.all(block == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("cachedarrays.devices.gpu", fromlist=["available"]).available(),
+                    reason="needs a CUDA GPU and CuPy")
+def test_a_device_stream_waits_for_the_flags_and_reports_a_failed_writer_or_its_timeout():
+    """``CudaBackend.wait_flags``: work queued after it runs once every flag is set by a host
+    thread; a failed flag and a wait past its timeout each set the device's error word."""
+    import time
+    from embeddings.gpu.backend import cuda_backend
+    be = cuda_backend()
+    cp = be.xp
+    flags = be.pinned((4,), np.int64)
+    for final, want in (([DONE] * 4, 0), ([DONE, FAILED, DONE, DONE], 1)):
+        flags[:] = 0
+        err, out = cp.zeros(1, np.int32), cp.zeros(1, np.int32)
+        out += 0  # the kernel loaded now: its first launch behind a waiting kernel would wait for that kernel
+        be.sync()
+        with be.stream():
+            be.wait_flags(flags, err)
+            out += 1  # queued behind the wait
+            done = be.fence()
+        time.sleep(0.05)
+        assert not done.done and int(out.get()[0]) == 0  # still waiting: no flag yet (get reads another stream)
+        for i, f in enumerate(final):
+            flags[i] = f
+        be.wait(done)
+        assert int(out.get()[0]) == 1 and int(err.get()[0]) == want
+    flags[:] = [DONE, 0, DONE, DONE]
+    err = cp.zeros(1, np.int32)
+    start = time.perf_counter()
+    with be.stream():
+        be.wait_flags(flags, err, timeout_s=0.2)
+        be.wait(be.fence())
+    assert int(err.get()[0]) == 2 and 0.15 < time.perf_counter() - start < 5

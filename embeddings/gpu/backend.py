@@ -503,7 +503,10 @@ class CudaBackend:
         which one GPU thread reads through their mapped address, a microsecond apart. Work
         queued after this runs once they are, with no host thread in between; it runs after a
         failure too, so it checks ``err`` (a device int32): 1 if a flag is not 1 (its writer
-        failed), 2 if ``timeout_s`` passed first (nothing then waits for ever)."""
+        failed), 2 if ``timeout_s`` passed first (nothing then waits for ever). Queue it only once
+        the writers need neither the GIL nor CUDA (:meth:`~embeddings.kernels.signalled.Gathering.
+        running`): until this kernel ends, a thread's synchronous CUDA call or first launch of a
+        kernel (which loads it) waits for it, holding the GIL if it held it."""
         cuda.kernel("wait_flags")((1,), (1,), (np.uint64(flags.ctypes.data), np.int32(flags.size),
                                                np.int64(timeout_s * 1e9), err))
 

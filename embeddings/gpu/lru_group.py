@@ -419,8 +419,9 @@ def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, n: int, htab: np.
     first ``n`` moves in ``htab`` and ``hrows`` on the host) in up to :data:`READ_PIECES` pieces,
     and the device copies each piece up and puts its rows into their slots as soon as the
     threads' flags say it is gathered (:meth:`~.backend.CudaBackend.wait_flags`): every copy and
-    put is queued before the gather starts, so no host thread stands between the gather and the
-    device, and this returns while the threads gather (:func:`finish_read` joins them). No SM
+    put is queued as soon as the gathering threads run without the GIL, so no host thread stands
+    between the gather and the device, and this returns while they gather (:func:`finish_read`
+    joins them). No SM
     waits on PCIe (mapped reads stall the blocks that issue them, and slowed the current batch's
     update kernels beside them 2-3x on the H100), at the price of host threads. Split reads (the
     default): both at once, the GPU reading the first ``read_share`` of the rows (the first
@@ -456,6 +457,7 @@ def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, n: int, htab: np.
     gathering = gather_signalled([tb._base for tb in g.tables], htab[k:n], hrows[k:n], block, cuts, flags,
                                  done=g.gathered.set)  # the rows going home may go now, not when the read is done
     g.reading = Reading(gathering, block, flags, up, start, end, k, m)
+    gathering.running()  # no thread needs the GIL to set its flags any more: the device may wait for them
     for p, (a, b) in enumerate(zip(cuts[:-1].tolist(), cuts[1:].tolist())):
         be.wait_flags(flags[p * threads:(p + 1) * threads], g.err)
         be.upload(up[a:b], block[a:b])

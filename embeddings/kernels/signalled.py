@@ -9,8 +9,8 @@ store into a flag in page-locked memory. A device stream that waits on the flags
 Without it, a thread of the caller had to learn that a piece was gathered and then queue its
 copy, and that thread needed the GIL each time, which a training step beside it holds most of the
 time (in the GPU ``lru`` placement on the H100, about 0.9 ms passed between the last piece gathered
-and its put being queued). Here the caller queues every copy before the gather starts and needs
-no GIL until it has finished.
+and its put being queued). Here the caller queues every copy as soon as the threads run without
+the GIL (:meth:`Gathering.running`) and needs no GIL until they have finished.
 
 Flags are int64, one per piece and thread (``flags[p * threads + t]``): 0 until thread ``t``
 has written its share of piece ``p``, then :data:`DONE`, or :data:`FAILED` if it could not
@@ -62,8 +62,10 @@ def _copy_row_impl(spec, dst, src, F, stream):
 
 
 @njit(cache=True, nogil=True)
-def _share(spec, addrs, strides, nrows, tabs, rows, block, cuts, th, nth, flags, stream):  # pragma: no cover
-    """Thread ``th`` of ``nth``: its share of each piece, then its flag; the first bad position, or -1."""
+def _share(spec, addrs, strides, nrows, tabs, rows, block, cuts, th, nth, flags, started, stream):  # pragma: no cover
+    """Thread ``th`` of ``nth``: marks itself started (without the GIL from here on), then its
+    share of each piece and its flag; the first bad position, or -1."""
+    exchange(started, th, 1)
     F = block.shape[1]
     bad = -1
     for p in range(cuts.size - 1):
@@ -83,11 +85,25 @@ def _share(spec, addrs, strides, nrows, tabs, rows, block, cuts, th, nth, flags,
 class Gathering:
     """A :func:`gather_signalled` under way: :meth:`result` waits for its threads."""
 
-    def __init__(self, futures: list[Future], start: float, tables: Sequence[np.ndarray], tabs: np.ndarray,
-                 rows: np.ndarray) -> None:
-        self._futures, self._start = futures, start
+    def __init__(self, futures: list[Future], start: float, started: np.ndarray, tables: Sequence[np.ndarray],
+                 tabs: np.ndarray, rows: np.ndarray) -> None:
+        self._futures, self._start, self._started = futures, start, started
         self._held = tables  # the threads read them through raw addresses
         self._tabs, self._rows = tabs, rows
+
+    def running(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every thread runs its share without the GIL (or has ended), so that it
+        finishes and sets its flags whatever other threads do. Until then a thread still needs
+        the GIL, and a thread that holds it while it waits for the device (a synchronous CUDA
+        call, or the first launch of a kernel, which loads it and waits for the device's running
+        kernels) would wait for a device that waits for the flags: queue a device wait on the
+        flags only once this returned True (False: ``timeout_s`` passed first)."""
+        deadline = time.monotonic() + timeout_s
+        while not all(s or f.done() for s, f in zip(self._started, self._futures)):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(2e-5)
+        return True
 
     def result(self) -> float:
         """Seconds from the start to the last thread's end, once every thread has ended (raising
@@ -134,11 +150,12 @@ def gather_signalled(tables: Sequence[np.ndarray], tabs: np.ndarray, rows: np.nd
     addrs = np.array([t.ctypes.data for t in tables], np.int64)
     strides = np.array([t.strides[0] for t in tables], np.int64)
     nrows = np.array([t.shape[0] for t in tables], np.int64)
+    started = np.zeros(nth, np.int64)
     pending, lock = [nth], threading.Lock()
 
     def share(th: int) -> tuple[float, int]:
         try:
-            bad = _share(spec, addrs, strides, nrows, tabs, rows, block, cuts, th, nth, flags, stream)
+            bad = _share(spec, addrs, strides, nrows, tabs, rows, block, cuts, th, nth, flags, started, stream)
             return time.perf_counter(), int(bad)
         except BaseException:
             mine = flags[th::nth]
@@ -153,4 +170,4 @@ def gather_signalled(tables: Sequence[np.ndarray], tabs: np.ndarray, rows: np.nd
 
     pool = thread_pool("gather", THREADS)
     start = time.perf_counter()
-    return Gathering([pool.submit(share, th) for th in range(nth)], start, list(tables), tabs, rows)
+    return Gathering([pool.submit(share, th) for th in range(nth)], start, started, list(tables), tabs, rows)
