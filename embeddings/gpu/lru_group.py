@@ -9,12 +9,13 @@ other (so each table's misses stay grouped by set, the tables one after the othe
 selection, one write-back (:func:`write_back`: one block, one copy, CPU threads at home in the
 background), one read of the rows that move (:func:`read`: by default a kernel through the
 mapped host addresses of a share of them beside CPU threads gathering the rest into one block,
-whose pieces the device copies up as the threads' flags say they are gathered), one settle. Each kernel finds its table's parameters and arrays
-(tags, stamps, dirty bits, rows, the mapped base table, Adagrad's accumulators) in a small table
-of pointers, :attr:`Group.dev`. Everything before the host learns how many rows move is one
-function, :func:`front`, of shapes the batch's size fixes, that queues no host wait and ends by
-storing the counts and the read's rows into page-locked memory: the host waits once for all of
-it, and a prefetch replays it as one CUDA graph (:mod:`.lru_front`).
+whose pieces the device copies up as the threads' flags say they are gathered), one settle.
+Each kernel finds its table's parameters and arrays (tags, stamps, dirty bits, rows, the mapped
+base table, Adagrad's accumulators) in a small table of pointers, :attr:`Group.dev`. Everything
+before the host learns how many rows move is one function, :func:`front`, of shapes the batch's
+size fixes, that queues no host wait and ends by storing the counts and the read's rows into
+page-locked memory: the host waits once for all of it, and a prefetch replays it as one CUDA
+graph (:mod:`.lru_front`).
 
 The decisions are the per-table ones: a row's set, its rank among its set's misses, the way it
 takes, what goes home, all as if each table had been placed alone; the numpy forms below place
@@ -399,9 +400,9 @@ class Reading(NamedTuple):
     (:func:`finish_read`): the CPU threads' gather, the page-locked block and flags they write,
     the device block the pieces go up into, and the timing of the share read through mapped
     addresses (``start``, ``end``; ``k`` rows) beside the gather of ``m``."""
-    gathering: Gathering
-    block: np.ndarray
-    flags: np.ndarray
+    gathering: Gathering | None  # None: every row read through mapped addresses
+    block: np.ndarray | None
+    flags: np.ndarray | None
     up: Any
     start: Any
     end: Any
@@ -421,9 +422,9 @@ def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, n: int, htab: np.
     threads' flags say it is gathered (:meth:`~.backend.CudaBackend.wait_flags`): every copy and
     put is queued as soon as the gathering threads run without the GIL, so no host thread stands
     between the gather and the device, and this returns while they gather (:func:`finish_read`
-    joins them). No SM
-    waits on PCIe (mapped reads stall the blocks that issue them, and slowed the current batch's
-    update kernels beside them 2-3x on the H100), at the price of host threads. Split reads (the
+    joins them). No SM waits on PCIe (mapped reads stall the blocks that issue them, and slowed
+    the current batch's update kernels beside them 2-3x on the H100), at the price of host
+    threads. Split reads (the
     default): both at once, the GPU reading the first ``read_share`` of the rows (the first
     tables' rows) on a side stream while CPU threads gather the rest. The two are bound by
     different things (the GPU by the reach of its translation of host addresses, about 41,000
@@ -522,7 +523,9 @@ def mail(g: Group) -> np.ndarray:
     """Every table's counts (five each, :attr:`~.lru.LRUCachedEmbeddings._counts`) as one
     ``(T, 5)`` host array, once the work queued so far has run: on a GPU one kernel stores them
     through the mapped address of page-locked memory (no copy engine, so not behind the rows
-    going home) and the host waits once; one launch, not one copy per table."""
+    going home) and the host waits once; one launch, not one copy per table. Then the
+    placement's staged or split read is over on the device, and its threads are joined
+    (:func:`finish_read`, which raises what went wrong)."""
     if g.host:
         finish_read(g)
         return np.stack([np.array(t._counts) for t in g.tables])

@@ -127,8 +127,9 @@ def gather_signalled(tables: Sequence[np.ndarray], tabs: np.ndarray, rows: np.nd
     once. ``cuts`` (``P + 1`` increasing positions from 0 to ``len(block)``) cuts the rows into
     ``P`` pieces; ``flags`` (int64, ``P * threads`` entries) receives each thread's flag per piece
     (zeroed here, before any thread starts). The ``threads`` shares run on the gather pool of
-    :data:`~.scatter.THREADS` threads (more shares than that queue behind the first ones). ``done`` is called once every thread has ended, from the last one. The
-    arguments are checked before any thread starts; the rows, as they are gathered."""
+    :data:`~.scatter.THREADS` threads (more shares than that queue behind the first ones).
+    ``done`` is called once every thread has ended, from the last one. The arguments are checked
+    before any thread starts; the rows, as they are gathered."""
     tabs, rows, cuts = (np.ascontiguousarray(a, np.int64) for a in (tabs, rows, cuts))
     m = block.shape[0] if block.ndim == 2 else -1
     if block.ndim != 2 or (block.size and block.strides[1] != block.itemsize):
@@ -136,8 +137,10 @@ def gather_signalled(tables: Sequence[np.ndarray], tabs: np.ndarray, rows: np.nd
     if tabs.shape != (m,) or rows.shape != (m,):
         raise ValueError(f"gather: {m} rows in the block, but {tabs.shape} tables and {rows.shape} rows")
     for i, t in enumerate(tables):
-        if t.ndim != 2 or t.shape[1] != block.shape[1] or t.dtype != block.dtype or (t.size and t.strides[1] != t.itemsize):
-            raise ValueError(f"gather: table {i} is {t.shape} {t.dtype}, the block's rows {block.shape[1:]} {block.dtype}")
+        rows_fit = t.ndim == 2 and t.shape[1] == block.shape[1] and t.dtype == block.dtype
+        if not rows_fit or (t.size and t.strides[1] != t.itemsize):
+            raise ValueError(f"gather: table {i} is {t.shape} {t.dtype}, "
+                             f"the block's rows {block.shape[1:]} {block.dtype}")
     if cuts.ndim != 1 or cuts.size < 2 or cuts[0] != 0 or cuts[-1] != m or np.any(np.diff(cuts) < 0):
         raise ValueError(f"gather: pieces must cut 0..{m} in increasing positions, got {cuts}")
     P = cuts.size - 1
