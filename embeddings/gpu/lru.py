@@ -89,8 +89,8 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
     :attr:`read_share` of them through their mapped host addresses while CPU threads gather the
     rest, the share adapting each placement until both parts take as long), ``"mapped"`` (the
     GPU reads them all) or ``"staged"`` (CPU threads gather them all into one block that goes up
-    piece by piece as they finish each; :func:`.lru_group.read`); it may be changed between steps. ``replacement``:
-    which way of its set a missed row takes, ``"lru"`` (the default: the least recently used)
+    piece by piece as they finish each; :func:`.lru_group.read`); it may be changed between
+    steps. ``replacement``: which way of its set a missed row takes, ``"lru"`` (the default: the least recently used)
     or ``"lfu"`` (the way whose row was used in the fewest batches since it came in, the least
     recently used among equals; 4 more bytes of HBM a slot). Under skewed (Zipf) traffic
     ``lfu`` keeps the hot rows that a burst of rows seen once would push out of an LRU set;

@@ -400,9 +400,9 @@ class Reading(NamedTuple):
     (:func:`finish_read`): the CPU threads' gather, the page-locked block and flags they write,
     the device block the pieces go up into, and the timing of the share read through mapped
     addresses (``start``, ``end``; ``k`` rows) beside the gather of ``m``."""
-    gathering: Gathering | None  # None: every row read through mapped addresses
-    block: np.ndarray | None
-    flags: np.ndarray | None
+    gathering: Gathering
+    block: np.ndarray
+    flags: np.ndarray
     up: Any
     start: Any
     end: Any
@@ -447,7 +447,6 @@ def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, n: int, htab: np.
         end = be.clock()
     m = n - k
     if m == 0:
-        g.reading = Reading(None, None, None, None, start, end, k, m)
         return
     F = g.tables[0]._W.shape[1]
     block, up = be.bounce((m, F), np.float32), be.xp.empty((m, F), np.float32)
@@ -473,7 +472,7 @@ def finish_read(g: Group) -> None:
     r, g.reading = g.reading, None
     if r is None:
         return
-    gathered = r.gathering.result() if r.gathering is not None else 0.0
+    gathered = r.gathering.result()
     err = int(g.tables[0].backend.to_host(g.err)[0]) if g.err is not None else 0
     if err:
         raise RuntimeError(f"a placement of {g.tables[0].name}{' and more tables' if g.T > 1 else ''}: the device "
@@ -711,7 +710,7 @@ def place_front(g: Group, f: Front) -> Front:
         g.err = g.tables[0].backend.xp.ones(1, np.int32)
         settle(g, f.row, f.victim, f.tid)  # the ways it was filling are emptied (their rows have gone home)
         raise
-    if g.reading is None or g.reading.gathering is None:
+    if g.reading is None:
         g.gathered.set()  # nor longer than a read that gathers nothing on the host
     settle(g, f.row, f.victim, f.tid)
     return f

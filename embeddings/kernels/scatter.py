@@ -4,10 +4,11 @@ src[i]`` (scatter), ``block[i] = table[rows[i]]`` (gather), now or in the backgr
 The GPU ``lru`` cache sends the rows it evicts home as one contiguous block (one DMA into
 page-locked memory) and this scatters them into the host tables, in the background so that
 the training step does not wait for it (:func:`scatter_later`); the rows a placement brings in
-are gathered on the same pool by :mod:`.signalled`, which lets the device take each piece as it is
-ready (:func:`gather_rows` gathers and waits, as the benchmarks' floors do). Each piece is a numba kernel that runs without the GIL, on a pool of
-Python threads rather than numba's parallel layer, so that it can run beside numba kernels of
-the main thread whatever threading layer numba picked.
+are gathered on the same kind of pool by :mod:`.signalled`, which lets the device take each piece
+as it is ready (:func:`gather_rows` gathers and waits, as the benchmarks' floors do). Each piece
+is a numba kernel that runs without the GIL, on a pool of Python threads rather than numba's
+parallel layer, so that it can run beside numba kernels of the main thread whatever threading
+layer numba picked.
 float32 rows of a specialised feature size are copied with vector loads and stores
 (:func:`~.simd.vcopy`), streaming ones where every destination row starts a cache line
 (:func:`~.simd.vcopy_stream`: no read of the line it overwrites): 405,000 rows of 64 into an
