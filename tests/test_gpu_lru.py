@@ -1444,6 +1444,66 @@ def test_front_graph_entries_are_kept_per_group_and_size_bounded_and_dropped_wit
     assert LF.COUNTS["step by step"] >= 9 and set(LF.COUNTS) == {"step by step"}  # every prefetch, one front each
 
 
+def test_a_front_over_the_compacted_misses_decides_as_one_over_the_whole_batch_and_an_overflow_runs_again(monkeypatch):
+    """After a group's first placement its fronts sort only its misses (compacted, at most a bound
+    learned from the misses seen): every step ends as with fronts over the whole batch, for each
+    kind of read and replacement. A bound below the misses (a tiny margin) makes a front that
+    places and counts nothing, which runs again over the whole batch: the same end states, the
+    hits and misses counted once, lfu's counts of use once a batch."""
+    from embeddings.gpu import lru_front as LF
+    fronts = []
+    real = LG.front
+    monkeypatch.setattr(LG, "front", lambda g, idx, xp, counted=True, hosts=None, cap=None:
+                        fronts.append(real(g, idx, xp, counted, hosts, cap)) or fronts[-1])
+    for reads, replacement in (("mapped", "lru"), ("split", "lfu"), ("staged", "lru")):
+        fronts.clear()
+        monkeypatch.setattr(LF, "COMPACT", False)
+        whole, whole_runs = trace_tables(host_manager(), True, reads=reads, replacement=replacement)
+        assert {f.cap for f in fronts} == {None} and fronts
+        for margin in (1.25, 0.3):
+            fronts.clear()
+            monkeypatch.setattr(LF, "COMPACT", True)
+            monkeypatch.setattr(LF, "CAP_MARGIN", margin)
+            monkeypatch.setattr(LF, "COUNTS", type(LF.COUNTS)())
+            compacted, runs = trace_tables(host_manager(), True, reads=reads, replacement=replacement)
+            assert runs == whole_runs
+            assert_same_traces(compacted, whole)
+            assert fronts[0].cap is None and any(f.cap is not None for f in fronts)  # a bound once one has run
+            over = [i for i, f in enumerate(fronts) if f.overflowed()]
+            assert LF.COUNTS["run again"] == len(over)
+            assert all(fronts[i + 1].cap is None and fronts[i + 1].idx is fronts[i].idx for i in over)
+            assert (len(over) > 0) == (margin < 1)
+
+
+def test_the_bound_of_a_groups_compacted_misses_follows_its_last_placements_and_goes_with_its_tables(monkeypatch):
+    """:func:`.lru_front._cap`: no bound before a group's first front has run, then
+    ``CAP_MARGIN`` times the most entries that missed in its last ``WINDOW`` fronts, rounded up
+    to a 64th of the batch: raised at once, lowered only below ``SHRINK`` of it; None (the whole
+    batch) where it reaches the batch; forgotten with a table of the group; none when off."""
+    from embeddings.gpu import lru_front as LF
+    monkeypatch.setattr(LF, "_misses", {})
+    monkeypatch.setattr(LF, "COMPACT", True)
+    monkeypatch.setattr(LF, "WINDOW", 3)
+    monkeypatch.setattr(LF, "CAP_MARGIN", 1.25)
+    monkeypatch.setattr(LF, "SHRINK", 0.75)
+    ts = [object(), object()]
+    sizes = [3200, 3200]  # steps of 100 entries
+
+    def placed(misses):  # a front ran with these misses; the bound for the next
+        rec, _ = LF._cap(ts, sizes)
+        rec.host = types.SimpleNamespace(cnt=np.array([0, 0, misses]))
+        return LF._cap(ts, sizes)[1]
+
+    assert LF._cap(ts, sizes)[1] is None
+    got = [placed(m) for m in (1000, 400, 2000, 1400, 1300, 900, 880, 5200, 10, 10, 10)]
+    assert got == [1300, 1300, 2600, 2600, 2600, 1800, 1800, None, None, None, 100]
+    assert LF._cap(ts[:1], sizes[:1])[1] is None  # another group
+    LF.forget(ts[1])
+    assert list(LF._misses) == [((id(ts[0]),), (3200,))]
+    monkeypatch.setattr(LF, "COMPACT", False)
+    assert placed(10) is None  # compaction off
+
+
 def test_a_front_that_cannot_be_captured_stays_eager_and_warns_once(monkeypatch):
     """A capture that fails (or a stream that cannot be captured) marks the entry eager for good;
     the first failure warns, naming the error."""
@@ -1498,6 +1558,27 @@ def test_a_placements_front_replayed_as_a_cuda_graph_makes_the_same_decisions(mo
             eager, eager_runs = trace_tables(gm, True, reads=reads, own_stream=True)
             assert runs == eager_runs
             assert_same_traces(graphs, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
+def test_on_the_gpu_compacted_fronts_and_fronts_run_again_decide_as_fronts_over_the_whole_batch(monkeypatch):
+    """The CUDA probe's compaction (a warp's misses placed by one atomic), its padding and the
+    count that skips an overflowed front: replayed as graphs, every step ends as with fronts over
+    the whole batch; with a bound below the misses, the fronts that overflowed ran again."""
+    from embeddings.gpu import lru_front as LF
+    with gpu_manager() as gm:
+        monkeypatch.setattr(LF, "GRAPHS", True)
+        monkeypatch.setattr(LF, "COMPACT", False)
+        whole, whole_runs = trace_tables(gm, True, reads="split", replacement="lfu", own_stream=True)
+        for margin in (1.25, 0.3):
+            monkeypatch.setattr(LF, "COMPACT", True)
+            monkeypatch.setattr(LF, "CAP_MARGIN", margin)
+            monkeypatch.setattr(LF, "COUNTS", type(LF.COUNTS)())
+            got, runs = trace_tables(gm, True, reads="split", replacement="lfu", own_stream=True)
+            assert runs == whole_runs
+            assert_same_traces(got, whole)
+            assert LF.COUNTS["replayed"] > 0 and (LF.COUNTS["run again"] > 0) == (margin < 1)
 
 
 def test_update_graph_entries_are_kept_per_ensemble_and_arguments_and_only_plain_lru_updates_take_one(monkeypatch):

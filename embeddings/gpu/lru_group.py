@@ -51,26 +51,56 @@ __device__ __forceinline__ int table_of(const i64* bounds, int T, i64 x) {  /* l
     return lo;
 }
 
+/* every entry probed: a hit's slot stamped (and its use counted under lfu), slot[i] = its slot or -1;
+   *misses += the entries that miss. Their keys ((sbase + set) * Rmax + row; none for a hit) go to
+   key[i] (when key is not null), or, compacted, the misses' keys and entries to ck[j], ci[j] for the
+   first cap of them, in no set order (a sort follows). Loops block by block, so that each warp's
+   misses take one atomic between them. */
 extern "C" __global__ void tb_probe(const i64* idx, i64 n, const i64* off, int T, const i64* tabs, i64 Rmax, i64 none,
-                                    i64* slot, i64* key) {
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-        const i64* P = tabs + table_of(off, T, i) * NF;
-        const i64* tags = (const i64*)P[P_TAGS];
-        int ways = (int)P[P_WAYS];
-        i64 r = idx[i], s = set_of(r, P[P_SETS]), first = s * ways, found = -1;
-        for (int w = 0; w < ways; ++w) if (tags[first + w] == r) { found = first + w; break; }
-        if (found >= 0) {
-            int* stamp = (int*)P[P_STAMP];
-            int now = (int)P[P_NOW];
-            int* uses = (int*)P[P_USES];
-            /* lfu: one more batch of use for a slot no earlier probe under now stamped; of the entries
-               hitting it, the one whose exchange finds the old stamp counts it */
-            if (!uses) stamp[found] = now;
-            else if (stamp[found] != now && atomicExch(stamp + found, now) != now) uses[found] += 1;
+                                    i64* slot, i64* key, unsigned long long* misses, i64* ck, i64* ci, i64 cap) {
+    for (i64 base = (i64)blockIdx.x * blockDim.x; base < n; base += (i64)gridDim.x * blockDim.x) {
+        i64 i = base + threadIdx.x, k = none;
+        bool miss = false;
+        if (i < n) {
+            const i64* P = tabs + table_of(off, T, i) * NF;
+            const i64* tags = (const i64*)P[P_TAGS];
+            int ways = (int)P[P_WAYS];
+            i64 r = idx[i], s = set_of(r, P[P_SETS]), first = s * ways, found = -1;
+            for (int w = 0; w < ways; ++w) if (tags[first + w] == r) { found = first + w; break; }
+            if (found >= 0) {
+                int* stamp = (int*)P[P_STAMP];
+                int now = (int)P[P_NOW];
+                int* uses = (int*)P[P_USES];
+                /* lfu: one more batch of use for a slot no earlier probe under now stamped; of the entries
+                   hitting it, the one whose exchange finds the old stamp counts it */
+                if (!uses) stamp[found] = now;
+                else if (stamp[found] != now && atomicExch(stamp + found, now) != now) uses[found] += 1;
+            }
+            slot[i] = found;
+            miss = found < 0;
+            if (miss) k = (P[P_SBASE] + s) * Rmax + r;
+            if (key) key[i] = k;
         }
-        slot[i] = found;
-        key[i] = found >= 0 ? none : (P[P_SBASE] + s) * Rmax + r;
+        unsigned mask = __ballot_sync(0xffffffffu, miss);
+        if (mask) {
+            int lane = threadIdx.x & 31;
+            unsigned long long at = 0;
+            if (lane == 0) at = atomicAdd(misses, (unsigned long long)__popc(mask));
+            at = __shfl_sync(0xffffffffu, at, 0);
+            if (miss && ck) {
+                i64 j = (i64)at + __popc(mask & ((1u << lane) - 1u));
+                if (j < cap) { ck[j] = k; ci[j] = i; }
+            }
+        }
     }
+}
+
+/* the compacted keys past the misses (all of them if the misses overflowed cap: a placement of
+   nothing, which the host runs again uncompacted) made hits */
+extern "C" __global__ void tb_pad(i64* ck, i64* ci, i64 cap, const unsigned long long* misses, i64 none) {
+    unsigned long long m = *misses;
+    for (i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x; j < cap; j += (i64)gridDim.x * blockDim.x)
+        if (m > (unsigned long long)cap || j >= (i64)m) { ck[j] = none; ci[j] = 0; }
 }
 
 /* a way's place in the order of eviction (lru_kernels.eviction_keys) */
@@ -79,11 +109,12 @@ __device__ __forceinline__ i64 eviction_key(const int* stamp, const int* uses, i
     return ((i64)(s >= lock) << 62) | (uses ? (i64)uses[slot] << 31 : 0) | s;
 }
 
-/* one thread per table: its hits and misses (misses: sorted keys inside its sets' range) */
+/* one thread per table: its hits and misses (misses: sorted keys inside its sets' range); nothing
+   if the compacted misses overflowed (missed not null and above cap) */
 extern "C" __global__ void tb_count(const i64* sk, i64 n, const i64* off, const i64* sbase, int T, const i64* tabs,
-                                    i64 Rmax) {
+                                    i64 Rmax, const unsigned long long* missed, i64 cap) {
     int t = blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= T) return;
+    if (t >= T || (missed && *missed > (unsigned long long)cap)) return;
     i64 misses = lower_bound(sk, n, sbase[t + 1] * Rmax) - lower_bound(sk, n, sbase[t] * Rmax);
     unsigned long long* counts = (unsigned long long*)tabs[t * NF + P_COUNTS];
     counts[0] += (unsigned long long)(off[t + 1] - off[t] - misses);
@@ -287,8 +318,13 @@ class Group:
         return slice(int(lo), int(hi)), (k // self.Rmax - self.sbase[t]) * tb.nvectors() + k % self.Rmax
 
 
-def probe(g: Group, idx: Any) -> tuple[Any, Any]:
-    """:func:`.lru_kernels.probe` for every table's entries, with the group's keys."""
+def probe(g: Group, idx: Any, cnt: Any, cap: int | None = None) -> tuple[Any, Any, Any]:
+    """:func:`.lru_kernels.probe` for every table's entries, with the group's keys: (each entry's
+    slot or -1, and the keys with the entry each came from). ``cap`` None: every entry's key
+    (``none`` for a hit), entries None. Else the misses compacted: the keys and entries of the
+    first ``cap`` of them (in no set order; the rest of the ``cap`` keys ``none``), all ``none``
+    if they are more than ``cap`` (a placement of nothing: :func:`front`). ``cnt[2] +=`` the
+    entries that miss, on the device."""
     n = int(idx.size)
     if g.host:
         slot, key = np.empty(n, np.int64), np.full(n, g.none, np.int64)
@@ -298,24 +334,40 @@ def probe(g: Group, idx: Any) -> tuple[Any, Any]:
             miss = slot[s] < 0
             R = tb.nvectors()
             key[s] = np.where(miss, (k // R + g.sbase[t]) * g.Rmax + k % R, g.none)
-        return slot, key
+        at = np.flatnonzero(slot < 0)
+        cnt[2] += at.size
+        if cap is None:
+            return slot, key, None
+        ck, ci = np.full(cap, g.none, np.int64), np.zeros(cap, np.int64)
+        if at.size <= cap:
+            ck[:at.size], ci[:at.size] = key[at], at
+        return slot, ck, ci
     import cupy as cp
-    slot, key = cp.empty(n, np.int64), cp.empty(n, np.int64)
+    slot = cp.empty(n, np.int64)
+    key, ck, ci = (cp.empty(n, np.int64), None, None) if cap is None else (None, cp.empty(cap, np.int64),
+                                                                           cp.empty(cap, np.int64))
     _launch("tb_probe", n, (idx, np.int64(n), g.doff, np.int32(g.T), g.dev, np.int64(g.Rmax), np.int64(g.none),
-                            slot, key))
-    return slot, key
+                            slot, cuda.ptr(key), cnt[2:], cuda.ptr(ck), cuda.ptr(ci), np.int64(cap or 0)))
+    if cap is None:
+        return slot, key, None
+    _launch("tb_pad", cap, (ck, ci, np.int64(cap), cnt[2:], np.int64(g.none)))
+    return slot, ck, ci
 
 
-def count(g: Group, sk: Any) -> None:
-    """Add each table's hits and misses to its counts."""
+def count(g: Group, sk: Any, cnt: Any = None, cap: int | None = None) -> None:
+    """Add each table's hits and misses to its counts; nothing if compacted misses overflowed
+    ``cap`` (``cnt[2]``, the entries that missed, above it)."""
     if g.host:
+        if cap is not None and cnt[2] > cap:
+            return
         for t, tb in enumerate(g.tables):
             s, _ = g.local(sk, t)
             misses = s.stop - s.start
             tb._counts[0] += int(g.off[t + 1] - g.off[t]) - misses
             tb._counts[1] += misses
         return
-    _launch("tb_count", g.T, (sk, np.int64(sk.size), g.doff, g.dsbase, np.int32(g.T), g.dev, np.int64(g.Rmax)))
+    _launch("tb_count", g.T, (sk, np.int64(sk.size), g.doff, g.dsbase, np.int32(g.T), g.dev, np.int64(g.Rmax),
+                              cuda.ptr(None if cap is None else cnt[2:]), np.int64(cap or 0)))
 
 
 def victims(g: Group, sk: Any, first: Any, pos: Any) -> tuple[Any, Any]:
@@ -336,9 +388,9 @@ def victims(g: Group, sk: Any, first: Any, pos: Any) -> tuple[Any, Any]:
     return victim, tid
 
 
-def moves(g: Group, victim: Any, tid: Any, row: Any) -> tuple[Any, Any, Any, Any]:
+def moves(g: Group, victim: Any, tid: Any, row: Any, cnt: Any) -> tuple[Any, Any, Any]:
     """(the row each victim holds if it goes home else -1, keys ordering the write-backs and the
-    reads by table and row, [write-backs, reads] counted on the device)."""
+    reads by table and row); ``cnt[0:2] +=`` [write-backs, reads], on the device."""
     n = int(victim.size)
     big = g.T * g.Rmax
     if g.host:
@@ -351,12 +403,14 @@ def moves(g: Group, victim: Any, tid: Any, row: Any) -> tuple[Any, Any, Any, Any
             old[at[back]] = held[back]
             wkey[at[back]] = t * g.Rmax + held[back]
             rkey[at] = t * g.Rmax + row[at]
-        return old, wkey, rkey, np.array([(old >= 0).sum(), (victim >= 0).sum()], np.int64)
+        cnt[0] += (old >= 0).sum()
+        cnt[1] += (victim >= 0).sum()
+        return old, wkey, rkey
     import cupy as cp
-    old, wkey, rkey, cnt = cp.empty(n, np.int64), cp.empty(n, np.int64), cp.empty(n, np.int64), cp.zeros(2, np.int64)
+    old, wkey, rkey = cp.empty(n, np.int64), cp.empty(n, np.int64), cp.empty(n, np.int64)
     _launch("tb_moves", n, (victim, tid, row, np.int64(n), g.dev, np.int64(g.Rmax), np.int64(big), old, wkey, rkey,
                             cnt))
-    return old, wkey, rkey, cnt
+    return old, wkey, rkey
 
 
 def write_back(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, n: int) -> None:
@@ -609,9 +663,10 @@ def settle(g: Group, row: Any, victim: Any, tid: Any) -> None:
 
 
 class HostSide(NamedTuple):
-    """Page-locked host arrays a :func:`front` fills for its placement's host side: the two counts
-    and, for ``n`` entries at most, the read's tables and host rows, for CPU threads to gather
-    (None under mapped reads). On the host form: the front's own arrays."""
+    """Page-locked host arrays a :func:`front` fills for its placement's host side: the counts
+    (rows going home, rows coming in, entries that missed) and, for as many rows as the front
+    can move, the read's tables and host rows, for CPU threads to gather (None under mapped
+    reads). On the host form: the front's own arrays."""
     cnt: np.ndarray
     tab: np.ndarray | None
     row: np.ndarray | None
@@ -620,10 +675,11 @@ class HostSide(NamedTuple):
 class Front(NamedTuple):
     """A placement's decisions before any row moves (:func:`front`), which :func:`slots` reads
     after the placement (and the staging of what found no way): the probe's slots, the sorted
-    keys and their order, each sorted entry's distinct-miss flag, row, victim and table, the
-    counts of rows going home and coming in (on the device), and the rows going home
-    (``w*``: victim slot, table, host row) and coming in (``r*``), each in host-address order,
-    and what the host reads of them (:class:`HostSide`)."""
+    keys and the entry of each, each sorted entry's distinct-miss flag, row, victim and table, the
+    counts (on the device: :class:`HostSide`), and the rows going home (``w*``: victim slot,
+    table, host row) and coming in (``r*``), each in host-address order, and what the host
+    reads of them (:class:`HostSide`); then what running it again takes: the batch, the bound
+    on its compacted misses (None: not compacted) and whether it counts hits and misses."""
     slot: Any
     sk: Any
     order: Any
@@ -639,53 +695,69 @@ class Front(NamedTuple):
     rtab: Any
     rrow: Any
     host: HostSide  # on the host once the front has run
+    idx: Any
+    cap: int | None
+    counted: bool
+
+    def overflowed(self) -> bool:
+        """Whether more entries missed than the compacted front had room for (read once it has run)."""
+        return self.cap is not None and int(self.host.cnt[2]) > self.cap
 
 
 def host_side(g: Group, n: int, alloc: Any) -> HostSide:
-    """A :class:`HostSide` for a front of ``n`` entries, from ``alloc(shape, dtype)``
+    """A :class:`HostSide` for a front that moves ``n`` rows at most, from ``alloc(shape, dtype)``
     (the backend's ``bounce`` or ``pinned``)."""
     rows = g.reads != "mapped"
-    return HostSide(alloc((2,), np.int64), alloc((n,), np.int64) if rows else None,
+    return HostSide(alloc((3,), np.int64), alloc((n,), np.int64) if rows else None,
                     alloc((n,), np.int64) if rows else None)
 
 
-def front(g: Group, idx: Any, xp: Any, counted: bool = True, hosts: HostSide | None = None) -> Front:
+def front(g: Group, idx: Any, xp: Any, counted: bool = True, hosts: HostSide | None = None,
+          cap: int | None = None) -> Front:
     """A placement up to the rows that move: left-out flags cleared, hits stamped (and counted
     when ``counted``), each table's distinct misses given the least recently used ways of their
     sets whose stamps are below its ``lock``, the moves ordered; then the counts, and unless reads
     are mapped the tables and host rows of the rows coming in, stored into page-locked
     ``hosts`` (new when None) for the host, which waits once for all of them. Device work only,
     with shapes fixed by the batch's size: nothing waits, so it can be captured as one CUDA
-    graph (:mod:`.lru_front`)."""
+    graph (:mod:`.lru_front`).
+
+    ``cap``: everything after the probe runs over the first ``cap`` entries that miss,
+    compacted, not over the whole batch (at 84% hits, a sixth of the sorting). Should more miss,
+    the front places nothing and counts nothing (:meth:`Front.overflowed`), and :func:`ran`
+    runs it again over the whole batch: the probe's stamps are the same under the same ``now``."""
     if g.host:
         for tb in g.tables:
             tb._counts[4] = 0
     else:
         _launch("tb_unleft", g.T, (g.dev, np.int32(g.T)))
-    slot, key = probe(g, idx)
+    cnt = xp.zeros(3, np.int64)  # rows going home, rows coming in, entries that miss
+    slot, key, entry = probe(g, idx, cnt, cap)
     order = xp.argsort(key)
     sk = key[order]
+    if entry is not None:
+        order = entry[order]
     if counted:
-        count(g, sk)
+        count(g, sk, cnt, cap)
     first, row = LK.distinct(sk, g.Rmax, g.none)
     victim, tid = victims(g, sk, first, xp.cumsum(first))
-    old, wkey, rkey, cnt = moves(g, victim, tid, row)
+    old, wkey, rkey = moves(g, victim, tid, row, cnt)
     out, into = _argsort(xp, wkey, g.T * g.Rmax), _argsort(xp, rkey, g.T * g.Rmax)
     rtab, rrow = tid[into], row[into]
     if g.host:
         h = HostSide(cnt, rtab, rrow)
     else:
         be = g.tables[0].backend
-        h = host_side(g, int(idx.size), be.bounce) if hosts is None else hosts
+        h = host_side(g, int(key.size), be.bounce) if hosts is None else hosts
         be.pull(h.cnt, cnt)
         if h.tab is not None:  # the rows coming in, which the device alone has counted
-            be.pull(h.tab, rtab, cnt[1:])
-            be.pull(h.row, rrow, cnt[1:])
+            be.pull(h.tab, rtab, cnt[1:2])
+            be.pull(h.row, rrow, cnt[1:2])
     return Front(slot, sk, order, first, row, victim, tid, cnt, victim[out], tid[out], old[out], victim[into],
-                 rtab, rrow, h)
+                 rtab, rrow, h, idx, cap, counted)
 
 
-def place(g: Group, idx: Any, xp: Any, counted: bool = True) -> Front:
+def place(g: Group, idx: Any, xp: Any, counted: bool = True, cap: int | None = None) -> Front:
     """Place every table's batch: hits stamped, each table's distinct misses into the least
     recently used ways of their sets whose stamps are below its ``lock``, the rows they held
     written home if dirty (:func:`write_back`) and the new rows read in, in host-address order
@@ -693,14 +765,21 @@ def place(g: Group, idx: Any, xp: Any, counted: bool = True) -> Front:
     left-out flag (``_counts[4]``). Hits and misses are counted when ``counted``. The host
     waits once after the :func:`front` (for the counts and the read's rows), and for a staged
     read's copies; the rows going home land in the host tables in the background (:func:`drain`)."""
-    return place_front(g, front(g, idx, xp, counted))
+    return place_front(g, ran(g, front(g, idx, xp, counted, cap=cap)))
 
 
-def place_front(g: Group, f: Front) -> Front:
-    """The rest of :func:`place` after its :func:`front`: the rows move and the ways settle."""
+def ran(g: Group, f: Front) -> Front:
+    """Wait for front ``f``; if its compacted misses overflowed, the front run again over the
+    whole batch (and waited for), which then stands for it."""
     if not g.host:
         be = g.tables[0].backend
         be.wait(be.fence())
+    return ran(g, front(g, f.idx, g.tables[0].backend.xp, f.counted)) if f.overflowed() else f
+
+
+def place_front(g: Group, f: Front) -> Front:
+    """The rest of :func:`place` after its :func:`front` has run (:func:`ran`): the rows move and
+    the ways settle."""
     back, coming = int(f.host.cnt[0]), int(f.host.cnt[1])
     write_back(g, f.wslot, f.wtab, f.wrow, f.cnt[0:1], back)
     try:
