@@ -215,10 +215,12 @@ extern "C" __global__ void tb_unleft(const i64* tabs, int T) {
     if (t < T) ((long long*)tabs[t * NF + P_COUNTS])[4] = 0;
 }
 
-/* every table's counts (5 each) into a (T, 5) block of page-locked host memory, through its mapped address */
-extern "C" __global__ void tb_mail(const i64* tabs, int T, i64* out) {
+/* every table's counts (5 each) into a (T, 5) block of page-locked host memory, through its mapped
+   address, and after them the read's error word (0 when err is null) */
+extern "C" __global__ void tb_mail(const i64* tabs, int T, const int* err, i64* out) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < T * 5) out[i] = ((const i64*)tabs[(i / 5) * NF + P_COUNTS])[i % 5];
+    else if (i == T * 5) out[i] = err ? *err : 0;
 }
 
 /* the victims take their new rows; if *err (their read failed) they are emptied instead: what they
@@ -519,15 +521,17 @@ def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, n: int, htab: np.
     be.follow(end)
 
 
-def finish_read(g: Group) -> None:
+def finish_read(g: Group, err: int | None = None) -> None:
     """Once the device has passed a staged or split read (the host waited for work queued after
     it): join its CPU threads, raise what went wrong (the settle has then emptied the ways the
-    read was filling), and set the next read's share from the rates of this one's two parts."""
+    read was filling), and set the next read's share from the rates of this one's two parts.
+    ``err``: the read's error word as the host already has it (else read from the device)."""
     r, g.reading = g.reading, None
     if r is None:
         return
     gathered = r.gathering.result()
-    err = int(g.tables[0].backend.to_host(g.err)[0]) if g.err is not None else 0
+    if err is None:
+        err = int(g.tables[0].backend.to_host(g.err)[0]) if g.err is not None else 0
     if err:
         raise RuntimeError(f"a placement of {g.tables[0].name}{' and more tables' if g.T > 1 else ''}: the device "
                            f"waited {'for a gather that failed' if err == 1 else 'too long for the gather'} of the "
@@ -576,18 +580,19 @@ def mail(g: Group) -> np.ndarray:
     """Every table's counts (five each, :attr:`~.lru.LRUCachedEmbeddings._counts`) as one
     ``(T, 5)`` host array, once the work queued so far has run: on a GPU one kernel stores them
     through the mapped address of page-locked memory (no copy engine, so not behind the rows
-    going home) and the host waits once; one launch, not one copy per table. Then the
-    placement's staged or split read is over on the device, and its threads are joined
-    (:func:`finish_read`, which raises what went wrong)."""
+    going home) and the host waits once; one launch, not one copy per table. The read's error
+    word comes with them (no second wait). Then the placement's staged or split read is over
+    on the device, and its threads are joined (:func:`finish_read`, which raises what went
+    wrong)."""
     if g.host:
         finish_read(g)
         return np.stack([np.array(t._counts) for t in g.tables])
     be = g.tables[0].backend
-    out = be.bounce((g.T, 5), np.int64)
-    _launch("tb_mail", g.T * 5, (g.dev, np.int32(g.T), np.uint64(out.ctypes.data)))
+    out = be.bounce((g.T * 5 + 1,), np.int64)
+    _launch("tb_mail", g.T * 5 + 1, (g.dev, np.int32(g.T), cuda.ptr(g.err), np.uint64(out.ctypes.data)))
     be.wait(be.fence())
-    finish_read(g)
-    return out
+    finish_read(g, int(out[-1]))
+    return out[:-1].reshape(g.T, 5)
 
 
 def drain(tables: list) -> None:
