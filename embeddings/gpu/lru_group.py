@@ -4,10 +4,10 @@ One table's placement (:meth:`.lru.LRUCachedEmbeddings._place`) is a dozen small
 over its batch; for the eight tables of a DLRM step that is a hundred launches, eight sorts and
 sixteen copy kernels, and their fixed costs, not the rows moved, decided the step time. Here the
 tables' batches are placed together, as FBGEMM's table-batched embeddings do: one probe over
-the concatenated indices, one sort of keys that number the sets of all tables one after the
-other (so each table's misses stay grouped by set, the tables one after the other), one victim
-selection, one write-back (:func:`write_back`: one block, one copy, CPU threads at home in the
-background), one read of the rows that move (:func:`read`: by default a kernel through the
+the concatenated indices, which compacts the entries that miss, one sort of their keys, which
+number the sets of all tables one after the other (so each table's misses stay grouped by set,
+the tables one after the other), one victim selection, one write-back (:func:`write_back`:
+one block, one copy, CPU threads at home in the background), one read of the rows that move (:func:`read`: by default a kernel through the
 mapped host addresses of a share of them beside CPU threads gathering the rest into one block,
 whose pieces the device copies up as the threads' flags say they are gathered), one settle.
 Each kernel finds its table's parameters and arrays (tags, stamps, dirty bits, rows, the mapped
