@@ -1,21 +1,21 @@
 """Placing the next batch of several ``lru`` tables at once (the table-batched prefetch).
 
-One table's placement (:meth:`.lru.LRUCachedEmbeddings._place`) is a dozen small device steps
-over its batch; for the eight tables of a DLRM step that is a hundred launches, eight sorts and
-sixteen copy kernels, and their fixed costs, not the rows moved, decided the step time. Here the
-tables' batches are placed together, as FBGEMM's table-batched embeddings do: one probe over
-the concatenated indices, which compacts the entries that miss, one sort of their keys, which
-number the sets of all tables one after the other (so each table's misses stay grouped by set,
-the tables one after the other), one victim selection, one write-back (:func:`write_back`:
-one block, one copy, CPU threads at home in the background), one read of the rows that move (:func:`read`: by default a kernel through the
-mapped host addresses of a share of them beside CPU threads gathering the rest into one block,
-whose pieces the device copies up as the threads' flags say they are gathered), one settle.
-Each kernel finds its table's parameters and arrays (tags, stamps, dirty bits, rows, the mapped
-base table, Adagrad's accumulators) in a small table of pointers, :attr:`Group.dev`. Everything
-before the host learns how many rows move is one function, :func:`front`, of shapes the batch's
-size fixes, that queues no host wait and ends by storing the counts and the read's rows into
-page-locked memory: the host waits once for all of it, and a prefetch replays it as one CUDA
-graph (:mod:`.lru_front`).
+One table's placement (:meth:`.lru.LRUCachedEmbeddings._place`) is a dozen small device steps over
+its batch; for the eight tables of a DLRM step that is a hundred launches, eight sorts and sixteen
+copy kernels, and their fixed costs, not the rows moved, decided the step time. Here the tables'
+batches are placed together, as FBGEMM's table-batched embeddings do: one probe over the
+concatenated indices, which compacts the entries that miss, one sort of their keys, which number the
+sets of all tables one after the other (so each table's misses stay grouped by set, the tables one
+after the other), one victim selection, one write-back (:func:`write_back`: one block, one copy, CPU
+threads at home in the background), one read of the rows that move (:func:`read`: by default a
+kernel through the mapped host addresses of a share of them beside CPU threads gathering the rest
+into one block, whose pieces the device copies up as the threads' flags say they are gathered), one
+settle. Each kernel finds its table's parameters and arrays (tags, stamps, dirty bits, rows, the
+mapped base table, Adagrad's accumulators) in a small table of pointers, :attr:`Group.dev`.
+Everything before the host learns how many rows move is one function, :func:`front`, of shapes the
+batch's size fixes, that queues no host wait and ends by storing the counts and the read's rows into
+page-locked memory: the host waits once for all of it, and a prefetch replays it as one CUDA graph
+(:mod:`.lru_front`).
 
 The decisions are the per-table ones: a row's set, its rank among its set's misses, the way it
 takes, what goes home, all as if each table had been placed alone; the numpy forms below place
