@@ -626,6 +626,29 @@ def test_a_gather_that_fails_on_its_threads_empties_the_ways_it_was_filling_and_
         m.check()
 
 
+def test_a_read_whose_threads_do_not_begin_in_time_waits_for_them_before_the_device_waits(monkeypatch):
+    """Should a gather's threads not all begin their shares without the GIL in time (their pool
+    busy), the read waits on the host for them to end before it queues the device's waits for
+    their flags (which a share still needing the GIL could otherwise block): every step ends as
+    with threads that began at once."""
+    from embeddings.gpu.backend import ReferenceBackend
+    from embeddings.kernels.signalled import Gathering
+    alone, _ = trace_tables(host_manager(), True, reads="split")
+    events = []
+    monkeypatch.setattr(Gathering, "running", lambda self, timeout_s=10.0: events.append("late") or False)
+    join = Gathering.join
+    monkeypatch.setattr(Gathering, "join", lambda self: (join(self), events.append(("joined", all(
+        f.done() for f in self._futures))))[0])
+    wait = ReferenceBackend.wait_flags
+    monkeypatch.setattr(ReferenceBackend, "wait_flags", lambda self, flags, *a, **kw:
+                        events.append(("wait", bool(np.all(flags)))) or wait(self, flags, *a, **kw))
+    late, _ = trace_tables(host_manager(), True, reads="split")
+    assert_same_traces(late, alone)
+    reads = [i for i, e in enumerate(events) if e == "late"]
+    assert reads and all(events[i + 1] == ("joined", True) for i in reads)
+    assert all(e[1] for e in events if isinstance(e, tuple) and e[0] == "wait")  # every flag set before each wait
+
+
 def test_a_prefetched_batch_is_range_checked_once_and_any_other_batch_at_its_lookup(monkeypatch):
     """The lookup of indices equal to a prefetched batch skips the range check the prefetch did
     (a read of every index); any other batch is checked, and a bad index raises naming it."""

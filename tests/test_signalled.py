@@ -80,6 +80,19 @@ def test_a_row_out_of_range_fails_its_threads_pieces_and_raises_naming_it():
     assert err[0] == 1
 
 
+def test_join_waits_for_every_thread_and_raises_nothing_the_result_then_raises():
+    rng = np.random.default_rng(6)
+    tables = _tables(rng, 8)
+    tabs, rows = _rows(rng, tables, 300)
+    rows[10] = -1
+    block, flags = np.zeros((300, 8), np.float32), np.empty(3 * 2, np.int64)
+    gathering = gather_signalled(tables, tabs, rows, block, np.array([0, 100, 200, 300]), flags)
+    gathering.join()
+    assert np.all(flags != 0) and flags[0] == FAILED  # every thread has ended: each flag is set
+    with pytest.raises(IndexError, match="position 10"):
+        gathering.result()
+
+
 def test_running_says_whether_every_thread_has_begun_its_share():
     """A share still queued (its pool busy) needs the GIL to begin: ``running`` says False until
     it has begun, so a caller never queues a device wait that such a share could block."""

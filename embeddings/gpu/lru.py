@@ -90,9 +90,9 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
     rest, the share adapting each placement until both parts take as long), ``"mapped"`` (the
     GPU reads them all) or ``"staged"`` (CPU threads gather them all into one block that goes up
     piece by piece as they finish each; :func:`.lru_group.read`); it may be changed between
-    steps. ``replacement``: which way of its set a missed row takes, ``"lru"`` (the default: the least recently used)
-    or ``"lfu"`` (the way whose row was used in the fewest batches since it came in, the least
-    recently used among equals; 4 more bytes of HBM a slot). Under skewed (Zipf) traffic
+    steps. ``replacement``: which way of its set a missed row takes, ``"lru"`` (the default: the
+    least recently used) or ``"lfu"`` (the way whose row was used in the fewest batches since it
+    came in, the least recently used among equals; 4 more bytes of HBM a slot). Under skewed (Zipf) traffic
     ``lfu`` keeps the hot rows that a burst of rows seen once would push out of an LRU set;
     it does not age its counts, so rows hot long ago stay until their set runs out of colder
     ways."""

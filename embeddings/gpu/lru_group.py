@@ -513,7 +513,8 @@ def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, n: int, htab: np.
     gathering = gather_signalled([tb._base for tb in g.tables], htab[k:n], hrows[k:n], block, cuts, flags,
                                  done=g.gathered.set)  # the rows going home may go now, not when the read is done
     g.reading = Reading(gathering, block, flags, up, start, end, k, m)
-    gathering.running()  # no thread needs the GIL to set its flags any more: the device may wait for them
+    if not gathering.running():  # a share still queued needs the GIL, which a wait for the device may hold
+        gathering.join()  # so the device waits only once every flag is set
     for p, (a, b) in enumerate(zip(cuts[:-1].tolist(), cuts[1:].tolist())):
         be.wait_flags(flags[p * threads:(p + 1) * threads], g.err)
         be.upload(up[a:b], block[a:b])
@@ -521,17 +522,15 @@ def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, n: int, htab: np.
     be.follow(end)
 
 
-def finish_read(g: Group, err: int | None = None) -> None:
+def finish_read(g: Group, err: int) -> None:
     """Once the device has passed a staged or split read (the host waited for work queued after
-    it): join its CPU threads, raise what went wrong (the settle has then emptied the ways the
-    read was filling), and set the next read's share from the rates of this one's two parts.
-    ``err``: the read's error word as the host already has it (else read from the device)."""
+    it; ``err``: the read's error word as the host then has it): join its CPU threads, raise what
+    went wrong (the settle has then emptied the ways the read was filling), and set the next
+    read's share from the rates of this one's two parts."""
     r, g.reading = g.reading, None
     if r is None:
         return
     gathered = r.gathering.result()
-    if err is None:
-        err = int(g.tables[0].backend.to_host(g.err)[0]) if g.err is not None else 0
     if err:
         raise RuntimeError(f"a placement of {g.tables[0].name}{' and more tables' if g.T > 1 else ''}: the device "
                            f"waited {'for a gather that failed' if err == 1 else 'too long for the gather'} of the "
@@ -585,7 +584,7 @@ def mail(g: Group) -> np.ndarray:
     on the device, and its threads are joined (:func:`finish_read`, which raises what went
     wrong)."""
     if g.host:
-        finish_read(g)
+        finish_read(g, 0 if g.err is None else int(g.err[0]))
         return np.stack([np.array(t._counts) for t in g.tables])
     be = g.tables[0].backend
     out = be.bounce((g.T * 5 + 1,), np.int64)

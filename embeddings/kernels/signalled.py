@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 
 import numpy as np
 from numba import carray, njit, types
@@ -78,7 +78,7 @@ def _share(spec, addrs, strides, nrows, tabs, rows, block, cuts, th, nth, flags,
                     break
                 _copy_row(spec, out_ptr(block, j), address_as_pointer(addrs[t] + r * strides[t], block), F, stream)
             store_fence()  # the streaming stores land before the flag says so
-        exchange(flags, p * nth + th, 1 if bad < 0 else 2)
+        exchange(flags, p * nth + th, DONE if bad < 0 else FAILED)
     return bad
 
 
@@ -97,13 +97,18 @@ class Gathering:
         the GIL, and a thread that holds it while it waits for the device (a synchronous CUDA
         call, or the first launch of a kernel, which loads it and waits for the device's running
         kernels) would wait for a device that waits for the flags: queue a device wait on the
-        flags only once this returned True (False: ``timeout_s`` passed first)."""
+        flags only once this returned True (False: ``timeout_s`` passed first; :meth:`join`
+        then waits for the threads to end)."""
         deadline = time.monotonic() + timeout_s
         while not all(s or f.done() for s, f in zip(self._started, self._futures)):
             if time.monotonic() > deadline:
                 return False
             time.sleep(2e-5)
         return True
+
+    def join(self) -> None:
+        """Wait until every thread has ended, raising nothing (:meth:`result` raises)."""
+        wait(self._futures)
 
     def result(self) -> float:
         """Seconds from the start to the last thread's end, once every thread has ended (raising
