@@ -41,7 +41,10 @@ floor allows (whole-jit time / max(whole-jit, floor)), the target line says so.
 
 Below each ratio's table, the bound no policy can beat (:func:`bound_seconds`): every byte live at
 the iteration's high-water mark is read again later in the step, so all but the budget's worth must
-come up the link each step, whatever the policy decides.  It is printed for the model as it runs and
+come up the link after that mark, and those the step made itself (all but the weights, momenta and
+input batch) went down the link before it, whatever the policy decides: the step takes at least the
+two directions' times one after the other, at the bandwidths measured each way.  It is printed for
+the model as it runs and
 for the same model recomputing batch norm + ReLU outputs in backward (``caLMP, recompute`` rows,
 MemFerry's trade of compute for traffic; ``--no-recompute`` leaves them out), whose footprint is
 smaller.  A target above the first bound cannot be met by any policy over these objects.
@@ -81,14 +84,15 @@ TARGET_HBM = 0.9
 TARGET_MS = 100
 
 
-def measure_link(nbytes: int = 256 * MiB, repeats: int = 5) -> float:
-    """Host->GPU bytes per second from pinned memory (median of ``repeats`` copies, CUDA events)."""
+def measure_link(nbytes: int = 256 * MiB, repeats: int = 5, down: bool = False) -> float:
+    """Host->GPU (``down``: GPU->host) bytes per second between pinned memory and the device
+    (median of ``repeats`` copies, CUDA events)."""
     import cupy as cp
     host = cp.cuda.alloc_pinned_memory(nbytes)
     dev = cp.empty(nbytes, dtype=cp.uint8)
     stream = cp.cuda.get_current_stream()
-    return nbytes / event_time(lambda: cp.cuda.runtime.memcpyAsync(dev.data.ptr, host.ptr, nbytes, 1, stream.ptr),
-                               repeats)
+    dst, src, kind = (host.ptr, dev.data.ptr, 2) if down else (dev.data.ptr, host.ptr, 1)
+    return nbytes / event_time(lambda: cp.cuda.runtime.memcpyAsync(dst, src, nbytes, kind, stream.ptr), repeats)
 
 
 # footprint - weights and momenta, over all layer outputs: 0.57-0.66 measured on small models on the CPU;
@@ -221,19 +225,35 @@ def floor_seconds(r: dict, link: float) -> float:
     return max(r.get("to_slow", 0), r.get("to_fast", 0)) / link if link == link and link > 0 else 0.0
 
 
-def bound_seconds(footprint: int, budget: int, link: float) -> float:
+def bound_seconds(footprint: int, budget: int, link: float, down: float | None = None, carried: int = 0) -> float:
     """The step time that no policy over a program's objects can beat at ``budget``: at the
     iteration's high-water mark, ``footprint`` bytes are live and each of them is read again later
     in the step (saved activations in backward, weights in backward and the update, momenta in the
     update); at most ``budget`` of them are in HBM, so at least ``footprint - budget`` must come up
-    the link before their next use, every step. Only a program with fewer live bytes (recomputing
-    instead of keeping) moves less."""
-    return max(0, footprint - budget) / link if link == link and link > 0 else 0.0
+    the link (``link`` bytes a second) after the mark. With ``down`` (the GPU->host bandwidth),
+    the bytes beyond the budget that the step made itself (all but ``carried``: weights, momenta
+    and the input batch, which may have left HBM before the step began) also went down the link
+    before the mark. Every trip down precedes the mark and every trip up follows it, so the step
+    takes at least the two one after the other, whatever the schedule: the full-duplex link
+    cannot overlap them. Only a program with fewer live bytes (recomputing instead of keeping)
+    moves less."""
+    if not (link == link and link > 0):
+        return 0.0
+    over = max(0, footprint - budget)
+    made = max(0, over - carried) / down if down is not None and down == down and down > 0 else 0.0
+    return over / link + made
 
 
-def bound_speed(base: float, footprint: int, budget: int, link: float) -> float:
+def bound_speed(base: float, footprint: int, budget: int, link: float, down: float | None = None,
+                carried: int = 0) -> float:
     """The best speed against whole-jit (``base`` seconds a step) that :func:`bound_seconds` allows."""
-    return base / max(base, bound_seconds(footprint, budget, link))
+    return base / max(base, bound_seconds(footprint, budget, link, down, carried))
+
+
+def carried_bytes(cfg, fp) -> int:
+    """The bytes live at the high-water mark that the step did not make: weights and optimiser
+    state (``fp.persistent``) and the input batch (float32 images, int32 labels)."""
+    return fp.persistent + 4 * cfg.batch * (cfg.channels * cfg.image * cfg.image + 1)
 
 
 def table_row(name: str, r: dict, base: float | None, link: float) -> list:
@@ -332,10 +352,13 @@ def main(argv=None) -> int:
     bad = [n for n in names if n not in specs]
     if bad:
         p.error(f"unknown model(s) {bad}; choose from {', '.join(specs)}")
-    link = measure_link(64 * MiB if args.quick else 256 * MiB) if args.device == "gpu" else float("nan")
-    print(f"target footprint {footprint / GiB:.2f} GiB; host->GPU bandwidth measured now: {link / 1e9:.1f} GB/s",
-          flush=True)
-    results, targets = {"environment": environment(), "link_bytes_per_second": link, "runs": []}, {}
+    gpu, size = args.device == "gpu", 64 * MiB if args.quick else 256 * MiB
+    link = measure_link(size) if gpu else float("nan")
+    link_down = measure_link(size, down=True) if gpu else float("nan")
+    print(f"target footprint {footprint / GiB:.2f} GiB; bandwidth measured now: host->GPU {link / 1e9:.1f} GB/s, "
+          f"GPU->host {link_down / 1e9:.1f} GB/s", flush=True)
+    results, targets = {"environment": environment(), "link_bytes_per_second": link,
+                        "link_down_bytes_per_second": link_down, "runs": []}, {}
     for name in names:
         cfg, fp = choose(specs[name], footprint, args.pm_dir, args.device)
         label = f"{name} {cfg.label}: footprint {fp.footprint / GiB:.2f} GiB"
@@ -426,20 +449,26 @@ def main(argv=None) -> int:
             print_table(f"{label}, HBM budget {budgets[ratio] / GiB:.2f} GiB ({ratio}x)", COLUMNS, table)
             bounds = {"this program": fp} | ({} if fp_rc is None else {"with recompute": fp_rc})
             run.setdefault("bounds", {})[ratio] = {}
+            known = bool(base) and link == link  # a GPU run: the link was measured
             for what, f in bounds.items():
-                need = max(0, f.footprint - budgets[ratio])
-                known = bool(base) and link == link  # a GPU run: the link was measured
+                c = rc if f is fp_rc else cfg
+                need, carried = max(0, f.footprint - budgets[ratio]), carried_bytes(c, f)
+                down_need = max(0, need - carried)
+                args_ = (f.footprint, budgets[ratio], link, link_down, carried)
                 run["bounds"][ratio][what] = {
-                    "bytes_up": need, "seconds": bound_seconds(f.footprint, budgets[ratio], link) if known else None,
-                    "speed": bound_speed(base, f.footprint, budgets[ratio], link) if known else None}
+                    "bytes_up": need, "bytes_down": down_need, "carried": carried,
+                    "seconds": bound_seconds(*args_) if known else None,
+                    "seconds_up_only": bound_seconds(*args_[:3]) if known else None,
+                    "speed": bound_speed(base, *args_) if known else None}
                 if known:
                     print(f"  no policy beats, {what}: {f.footprint / GiB:.2f} GiB live at the high-water mark, "
-                          f"{need / GiB:.2f} GiB of it up the link every step = "
-                          f"{1e3 * bound_seconds(f.footprint, budgets[ratio], link):.1f} ms -> "
-                          f"{bound_speed(base, f.footprint, budgets[ratio], link):.2f}x whole-jit", flush=True)
+                          f"{down_need / GiB:.2f} GiB of it down the link before it and {need / GiB:.2f} GiB up after "
+                          f"it every step = {1e3 * bound_seconds(*args_):.1f} ms -> "
+                          f"{bound_speed(base, *args_):.2f}x whole-jit (up alone: "
+                          f"{1e3 * bound_seconds(*args_[:3]):.1f} ms)", flush=True)
             targets.update(ratio_targets(name, ratio, {**rows, **{m: rows[f"{m} {ratio}x"] for m in OUR_MODES}},
-                                         base, link, bound_speed(base, fp.footprint, budgets[ratio], link)
-                                         if base and link == link else None))
+                                         base, link, bound_speed(base, fp.footprint, budgets[ratio], link, link_down,
+                                                                 carried_bytes(cfg, fp)) if known else None))
     write_json(args.out, {**results, "targets": targets})
     print_targets(targets)
     return 0

@@ -439,16 +439,32 @@ def test_every_model_the_gpu_benchmark_names_builds(table):
 
 def test_the_gpu_benchmark_names_the_traffic_no_policy_can_avoid():
     """At the high-water mark every live byte is read again, so all but the budget's worth must come
-    up the link each step: that bound caps the speed any policy can reach, and a target above it
-    says so instead of blaming the schedule's own copies."""
+    up the link after it, and what of that the step made went down before it: that bound caps the
+    speed any policy can reach, and a target above it says so instead of blaming the schedule's own
+    copies."""
     from benchmarks import gpu_cnn
     GiB, link = 1 << 30, 50e9
     assert gpu_cnn.bound_seconds(10 * GiB, 4 * GiB, link) == pytest.approx(6 * GiB / link)
     assert gpu_cnn.bound_seconds(3 * GiB, 4 * GiB, link) == 0.0  # it fits: nothing must move
     assert gpu_cnn.bound_seconds(10 * GiB, 4 * GiB, float("nan")) == 0.0  # no link measured (CPU run)
+    # what the step made went down before the mark and comes up after it: the two directions add;
+    # what it did not make (weights, momenta, the batch) may have gone down before the step
+    down = 40e9
+    assert gpu_cnn.bound_seconds(10 * GiB, 4 * GiB, link, down) == pytest.approx(6 * GiB / link + 6 * GiB / down)
+    assert gpu_cnn.bound_seconds(10 * GiB, 4 * GiB, link, down, carried=GiB) == pytest.approx(
+        6 * GiB / link + 5 * GiB / down)
+    assert gpu_cnn.bound_seconds(10 * GiB, 4 * GiB, link, down, carried=8 * GiB) == pytest.approx(6 * GiB / link)
+    assert gpu_cnn.bound_seconds(3 * GiB, 4 * GiB, link, down) == 0.0
+    assert gpu_cnn.bound_seconds(10 * GiB, 4 * GiB, link, float("nan")) == pytest.approx(6 * GiB / link)
     base = 0.1  # a 100 ms whole-jit step
+    assert gpu_cnn.bound_speed(base, 10 * GiB, 4 * GiB, link, down) == pytest.approx(
+        base / (6 * GiB / link + 6 * GiB / down))
     assert gpu_cnn.bound_speed(base, 3 * GiB, 4 * GiB, link) == 1.0
     assert gpu_cnn.bound_speed(base, 10 * GiB, 4 * GiB, link) == pytest.approx(base * link / (6 * GiB))
+    from types import SimpleNamespace
+    from cnn.trainer import Config
+    cfg = Config(family="densenet", depth=13, width=8, image=32, batch=5)  # 3 channels, float32 images
+    assert gpu_cnn.carried_bytes(cfg, SimpleNamespace(persistent=1000)) == 1000 + 4 * 5 * (3 * 32 * 32 + 1)
     rows = {"cap": {"seconds": 0.5, "to_fast": 1 * GiB}, "caLMP": {"seconds": 0.25, "to_fast": 1 * GiB},
             "remat": {"seconds": 0.2}}
     capped = gpu_cnn.ratio_targets("m", 4, rows, base, link, bound=0.5)
