@@ -294,8 +294,10 @@ def ratio_targets(name: str, ratio: int, rows: dict, base: float | None, link: f
                      f"moves; a schedule that moves less could do better)")
     out[line] = speed(best) >= want
     remat = speed("remat")
-    out[f"{name} {ratio}x: cap and caLMP faster than remat ({speed('cap'):.2f}x, {speed('caLMP'):.2f}x "
-        f"vs {remat:.2f}x)"] = min(speed("cap"), speed("caLMP")) > remat > 0
+    line = f"{name} {ratio}x: cap and caLMP faster than remat ({speed('cap'):.2f}x, {speed('caLMP'):.2f}x vs {remat:.2f}x)"
+    if bound is not None and bound <= remat:
+        line += f"; no policy over this program's objects can pass it: their live bytes cap both at {bound:.2f}x"
+    out[line] = min(speed("cap"), speed("caLMP")) > remat > 0
     return out
 
 

@@ -472,6 +472,10 @@ def test_the_gpu_benchmark_names_the_traffic_no_policy_can_avoid():
     assert not ok and "best caLMP 0.40x" in line and "no policy" in line and "0.50x" in line
     (line, ok), _ = gpu_cnn.ratio_targets("m", 4, rows, base, link, bound=0.9).items()
     assert "no policy" not in line and "PCIe floor" not in line  # 1 GiB at 50 GB/s fits in 100 ms
+    _, (line, ok) = capped.items()  # remat (0.50x) is out of reach too where the bound is no higher
+    assert not ok and "remat" in line and "cap both at 0.50x" in line
+    _, (line, ok) = gpu_cnn.ratio_targets("m", 4, rows, base, link, bound=0.6).items()
+    assert "no policy" not in line
 
 
 def test_a_recorded_step_replays_the_same_kernels_in_order_on_bare_arrays():
