@@ -204,8 +204,8 @@ class CachedArray(NDArrayOperatorsMixin):
     def __enter__(self):
         try:
             if self._status is Status.ReadOnly and self._on_gpu() and _jax_holds(self.dtype):
-                import jax
-                return jax.dlpack.from_dlpack(self)
+                from .jaxdlpack import from_dlpack
+                return from_dlpack(self)
             return self.array
         except BaseException:
             self.release()  # ``with`` will not call __exit__: do not leave the object pinned
@@ -302,11 +302,7 @@ class CachedArray(NDArrayOperatorsMixin):
         """DLPack export of a GPU region: the consumer's ``stream`` waits for the region's copies."""
         from .devices.gpu import JaxUse, cupy
         cp = cupy()
-        consumer = None
-        if isinstance(stream, int) and stream > 2:
-            with warnings.catch_warnings():  # CuPy 14 prefers Stream.from_external for protocol objects
-                warnings.simplefilter("ignore", DeprecationWarning)
-                consumer = cp.cuda.ExternalStream(stream)
+        consumer = _external_stream(cp, stream) if isinstance(stream, int) and stream > 2 else None
         device = _jax_device(region.device.index)
         mark = None
         if device is not None:
@@ -327,6 +323,7 @@ class CachedArray(NDArrayOperatorsMixin):
 
 
 _JAX_DEVICES: dict = {}
+_STREAMS: dict = {}  # a consumer's DLPack stream (JAX hands out the same few) -> CuPy's handle of it
 _JAX_VIEWS: "weakref.WeakKeyDictionary[Manager, dict]" = weakref.WeakKeyDictionary()
 JAX_VIEWS_KEPT = 4096  # per manager: the oldest kept view goes when one more would pass this
 
@@ -344,7 +341,7 @@ def jax_array(view: CachedArray, after: Any = None):
     JAX's wrappers), so the JAX arrays made are kept, keyed by the bytes they alias (device, offset,
     shape, dtype), and handed out again to any view whose primary region starts there while
     `Manager.settled` says that no copy or use a reader must be ordered after is in flight;
-    otherwise, and the first time, the view is imported as ``jax.dlpack.from_dlpack(view)`` does.
+    otherwise, and the first time, the view is imported (`jaxdlpack.from_dlpack`).
     Keying by address rather than by region lets the next object placed at the same offset (a
     training step's activations, freed and allocated again in the same order every step) reuse the
     import.  Only arrays that alias the region's own bytes are kept (never a copy, which a later
@@ -362,10 +359,10 @@ def jax_array(view: CachedArray, after: Any = None):
         if region.device.memory_space != "host":
             view._gpu_consumers.add(_jax_device(region.device.index))
         return arr
-    import jax
+    from .jaxdlpack import from_dlpack
     view._after = after
     try:
-        arr = jax.dlpack.from_dlpack(view)
+        arr = from_dlpack(view)
     finally:
         view._after = None
     if view.nbytes and arr.unsafe_buffer_pointer() == region.device.address(region.offset):
@@ -377,6 +374,16 @@ def jax_array(view: CachedArray, after: Any = None):
         if len(views) > JAX_VIEWS_KEPT:
             del views[next(iter(views))]
     return arr
+
+
+def _external_stream(cp: Any, stream: int) -> Any:
+    """CuPy's handle of a consumer's stream ``stream`` (an address), made once per stream."""
+    handle = _STREAMS.get(stream)
+    if handle is None:
+        with warnings.catch_warnings():  # CuPy 14 prefers Stream.from_external for protocol objects
+            warnings.simplefilter("ignore", DeprecationWarning)
+            handle = _STREAMS[stream] = cp.cuda.ExternalStream(stream)
+    return handle
 
 
 def _jax_device(index: int):

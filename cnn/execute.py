@@ -51,6 +51,7 @@ import numpy as np
 
 from cachedarrays import (CachedArray, Manager, cuda_reachable, device_pointer, jax_array, readable,
                           release_together, writable, write_later, write_now)
+from cachedarrays.jaxdlpack import from_dlpack
 
 _COPY = 4  # cudaMemcpyDefault: the direction from the addresses (GPU memory, page-locked host memory)
 # kernels whose outputs the next kernels read from their JAX values, their copies deferred: two, so
@@ -138,7 +139,7 @@ class Executor:
             if view.nbytes:
                 cp.cuda.runtime.memcpyAsync(buf.data.ptr, device_pointer(view, stream), view.nbytes, _COPY, stream.ptr)
             self._staged.append(buf)
-            return jax.dlpack.from_dlpack(buf)  # JAX's stream waits for CuPy's
+            return from_dlpack(buf)  # JAX's stream waits for CuPy's
         return jax_array(view, after=self._latest)
 
     def _gpu_device(self):

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cachedarrays.jaxdlpack import from_dlpack
 from embeddings import SGD, Ensemble, RowwiseAdagrad, aligned_empty, lookup, pullback
 from embeddings.gpu import table_on_gpu
 from embeddings.protocol import EmbeddingTable
@@ -358,4 +359,4 @@ def _at(xs, i):
 
 def _as_jax(x):
     """A GPU lookup's output as a JAX array (CuPy outputs through DLPack, without a copy)."""
-    return x if isinstance(x, jax.Array) else jax.dlpack.from_dlpack(x)
+    return x if isinstance(x, jax.Array) else from_dlpack(x)

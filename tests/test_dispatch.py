@@ -1,7 +1,6 @@
 """The per-kernel host path: kept JAX views of regions (`jax_array`, `Manager.settled`), the executor
 handing the previous kernel's outputs on as JAX values, and grouped SGD updates."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -52,9 +51,10 @@ def test_jax_array_is_kept_while_the_region_stays_and_renewed_when_it_moves(m):
 
 
 def test_an_object_placed_where_a_freed_one_was_reuses_its_import(m, monkeypatch):
+    from cachedarrays import jaxdlpack
     imports = []
-    real = jax.dlpack.from_dlpack
-    monkeypatch.setattr(jax.dlpack, "from_dlpack", lambda v: imports.append(v) or real(v))
+    real = jaxdlpack.from_dlpack
+    monkeypatch.setattr(jaxdlpack, "from_dlpack", lambda v: imports.append(v) or real(v))
 
     def read(x):
         with readable(x) as _:

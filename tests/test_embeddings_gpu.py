@@ -201,17 +201,6 @@ def test_cuda_source_compiles_with_nvcc(tmp_path):
         assert f".entry {name}(" in ptx
 
 
-def test_jax_handoff_falls_back_to_jax_dlpack_for_good_when_the_direct_import_fails():
-    import jax
-    from embeddings.gpu.handoff import _Handoff
-    h = _Handoff()
-    h.enabled = True  # as on a GPU; a numpy array makes the direct import fail (no CUDA device)
-    a = np.arange(6, dtype=np.float32).reshape(2, 3)
-    x = h(a)
-    assert h.direct is False and isinstance(x, jax.Array) and np.array_equal(np.asarray(x), a)
-    assert np.array_equal(np.asarray(h(a + 1)), a + 1) and h.direct is False
-
-
 def test_numpy_tables_never_take_the_gpu_path():
     from embeddings.gpu import table_on_gpu
     assert not table_on_gpu(E.SimpleEmbedding(np.zeros((4, 8), np.float32)))

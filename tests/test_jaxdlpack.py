@@ -1,0 +1,70 @@
+"""`cachedarrays.jaxdlpack.from_dlpack`: JAX's DLPack import without its per-call wrapper, checked
+against ``jax.dlpack.from_dlpack`` on first use and replaced by it for good where they differ."""
+
+import jax
+import numpy as np
+import pytest
+
+from cachedarrays import jaxdlpack
+from embeddings.aligned import aligned_empty
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """The module as in a new process: the direct import not checked yet, no device looked up."""
+    monkeypatch.setattr(jaxdlpack, "_direct", None)
+    monkeypatch.setattr(jaxdlpack, "_devices", {})
+    return jaxdlpack
+
+
+def _host_array(shape=(4, 16), dtype=np.float32):
+    a = aligned_empty(shape, dtype)  # 64-byte aligned, so that JAX aliases it rather than copying
+    a[...] = np.arange(a.size, dtype=dtype).reshape(shape)
+    return a
+
+
+def test_the_direct_import_aliases_the_same_memory_as_jax_does_and_is_taken_once_checked(fresh):
+    a = _host_array()
+    x = fresh.from_dlpack(a)
+    assert fresh._direct is True
+    ref = jax.dlpack.from_dlpack(a)
+    assert isinstance(x, jax.Array) and x.shape == a.shape and x.dtype == a.dtype
+    assert x.unsafe_buffer_pointer() == ref.unsafe_buffer_pointer() == a.ctypes.data
+    b = _host_array((3, 16))
+    y = fresh.from_dlpack(b)  # checked already: the direct path alone
+    assert y.unsafe_buffer_pointer() == b.ctypes.data and np.array_equal(np.asarray(y), b)
+    assert len(fresh._devices) == 1  # the CPU device, looked up once
+
+
+def test_a_type_jax_does_not_hold_is_canonicalised_as_jax_does(fresh):
+    a = _host_array(dtype=np.int64)
+    x, ref = fresh.from_dlpack(a), jax.dlpack.from_dlpack(a)
+    assert x.dtype == ref.dtype and np.array_equal(np.asarray(x), a)
+
+
+@pytest.mark.parametrize("how", ["raises", "differs"])
+def test_a_direct_import_unlike_jaxs_falls_back_to_jax_for_good(fresh, monkeypatch, how):
+    calls = []
+
+    def direct(x):
+        calls.append(x)
+        if how == "raises":
+            raise TypeError("internals changed")
+        return jax.numpy.zeros(3)  # another array: not JAX's import of x
+
+    monkeypatch.setattr(fresh, "_import", direct)
+    a = _host_array()
+    for k in range(3):
+        x = fresh.from_dlpack(a + k)
+        assert np.array_equal(np.asarray(x), a + k)
+    assert fresh._direct is False and len(calls) == 1  # tried once only
+
+
+def test_the_lookup_handoff_imports_where_jax_has_a_gpu_and_hands_the_array_back_where_not(fresh, monkeypatch):
+    from embeddings.gpu import handoff
+    a = _host_array()  # stands in for a lookup's CuPy output
+    monkeypatch.setattr(handoff, "_jax_gpu", False)
+    assert handoff.to_jax(a) is a
+    monkeypatch.setattr(handoff, "_jax_gpu", True)
+    x = handoff.to_jax(a)
+    assert isinstance(x, jax.Array) and x.unsafe_buffer_pointer() == a.ctypes.data
