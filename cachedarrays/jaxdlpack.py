@@ -9,37 +9,46 @@ array). :func:`from_dlpack` makes the one call itself, with each device's lookup
 The call and the order of its arguments are JAX internals: the first import in a process is
 checked against ``jax.dlpack.from_dlpack`` of the same array (a ``jax.Array`` of the same shape,
 dtype and device over the same memory), and if this JAX differs, every import goes through
-``jax.dlpack.from_dlpack`` for good.
+``jax.dlpack.from_dlpack`` for good. An array JAX copies rather than aliases (not aligned as it
+needs) proves nothing either way: the next import is checked instead, up to :data:`TRIES`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+TRIES = 3  # imports that JAX copied, after which the direct path is given up undecided
 _direct: bool | None = None  # None: not checked yet
+_unsure = 0  # checks that ended undecided (both imports were copies)
 _devices: dict[tuple[int, int], tuple[Any, Any]] = {}  # (DLPack device type, id) -> (JAX device, stream)
 
 
 def from_dlpack(x: Any) -> Any:
     """``jax.dlpack.from_dlpack(x)``: a JAX array over the memory of ``x`` (an object with
     ``__dlpack__`` and ``__dlpack_device__``; a copy only where JAX would copy)."""
-    global _direct
+    global _direct, _unsure
     import jax
     if _direct is False:
         return jax.dlpack.from_dlpack(x)
-    if _direct is None:
-        try:
-            arr = _import(x)
-            ref = jax.dlpack.from_dlpack(x)
-            _direct = (isinstance(arr, jax.Array) and arr.shape == ref.shape and arr.dtype == ref.dtype
-                       and arr.devices() == ref.devices()
-                       and arr.unsafe_buffer_pointer() == ref.unsafe_buffer_pointer())
-        except Exception:
-            _direct = False
-        if not _direct:
-            return jax.dlpack.from_dlpack(x)
+    if _direct:
+        return _import(x)
+    try:
+        arr = _import(x)
+    except Exception:
+        _direct = False
+        return jax.dlpack.from_dlpack(x)
+    ref = jax.dlpack.from_dlpack(x)
+    if not (isinstance(arr, jax.Array) and arr.shape == ref.shape and arr.dtype == ref.dtype
+            and arr.devices() == ref.devices()):
+        _direct = False
+    elif arr.unsafe_buffer_pointer() == ref.unsafe_buffer_pointer():
+        _direct = True
         return arr
-    return _import(x)
+    else:  # two copies: nothing learned
+        _unsure += 1
+        if _unsure >= TRIES:
+            _direct = False
+    return ref
 
 
 def _import(x: Any) -> Any:

@@ -13,6 +13,7 @@ from embeddings.aligned import aligned_empty
 def fresh(monkeypatch):
     """The module as in a new process: the direct import not checked yet, no device looked up."""
     monkeypatch.setattr(jaxdlpack, "_direct", None)
+    monkeypatch.setattr(jaxdlpack, "_unsure", 0)
     monkeypatch.setattr(jaxdlpack, "_devices", {})
     return jaxdlpack
 
@@ -34,6 +35,26 @@ def test_the_direct_import_aliases_the_same_memory_as_jax_does_and_is_taken_once
     y = fresh.from_dlpack(b)  # checked already: the direct path alone
     assert y.unsafe_buffer_pointer() == b.ctypes.data and np.array_equal(np.asarray(y), b)
     assert len(fresh._devices) == 1  # the CPU device, looked up once
+
+
+def _misaligned(shape=(4, 16)):
+    a = _host_array((shape[0] * shape[1] + 1,))[1:].reshape(shape)  # 4 bytes past a line: JAX copies it
+    assert a.ctypes.data % 64
+    return a
+
+
+def test_an_import_jax_copies_leaves_the_check_to_the_next_and_so_many_give_it_up(fresh):
+    a = _misaligned()
+    x = fresh.from_dlpack(a)
+    assert fresh._direct is None and np.array_equal(np.asarray(x), a)  # undecided
+    b = _host_array()
+    assert fresh.from_dlpack(b).unsafe_buffer_pointer() == b.ctypes.data and fresh._direct is True
+    fresh._direct, fresh._unsure = None, 0  # as in a process whose imports are all copies
+    for k in range(fresh.TRIES):
+        c = _misaligned()
+        c[...] = a + k
+        assert np.array_equal(np.asarray(fresh.from_dlpack(c)), a + k)
+        assert fresh._direct is (None if k + 1 < fresh.TRIES else False)
 
 
 def test_a_type_jax_does_not_hold_is_canonicalised_as_jax_does(fresh):
