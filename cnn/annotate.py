@@ -6,7 +6,7 @@ freed at once), then `softevict` inputs and weights: they are the first to go
 if room is needed before the backward pass wants them again.
 
 Backward: prefetch what the backward kernel reads (saved activations, the
-incoming gradient, the weights), run it under `noescape`, then `cleanup` what
+incoming gradient, the weights, the gradients it adds into), run it under `noescape`, then `cleanup` what
 is now dead — the layer's output, its saved activations and the incoming
 gradient — `preserve`-ing the layer's inputs, weights and every gradient still
 wanted.  In reverse topological order a tensor's producer runs its backward
@@ -49,12 +49,14 @@ class Annotations:
         softevict(xs, layer.params)
         return y, saved
 
-    def backward(self, ex: Executor, layer: Layer, dy: Any, saved: tuple, need: Sequence[bool]) -> tuple:
-        """``(dxs, dparams)`` of ``layer``, annotated (the cleanup is `release_dead`'s job)."""
+    def backward(self, ex: Executor, layer: Layer, dy: Any, saved: tuple, need: Sequence[bool],
+                 into: Sequence = ()) -> tuple:
+        """``(dxs, dparams)`` of ``layer``, annotated (the cleanup is `release_dead`'s job); ``into``:
+        the gradients it adds into (`Layer.backward`), read by its kernel like ``saved``."""
         if not self.enabled:
-            return layer.backward(ex, dy, saved, need)
-        prefetch(saved, dy, layer.params, force=True)
-        out = noescape(self.m, layer.backward, ex, dy, saved, need)
+            return layer.backward(ex, dy, saved, need, into)
+        prefetch(saved, dy, layer.params, [g for g in into if g is not None], force=True)
+        out = noescape(self.m, layer.backward, ex, dy, saved, need, into)
         softevict(layer.params)
         return out
 

@@ -327,9 +327,29 @@ class Executor:
             event.synchronize()
             self._keep_bytes -= n
 
-    def call(self, kernel: Callable, inputs: Sequence[CachedArray], *args: Any, **static: Any) -> tuple[CachedArray, ...]:
-        """`run` then `store` every output: the outputs as CachedArrays, always a tuple."""
-        return tuple(self.store(h) for h in self.run(kernel, inputs, *args, **static))
+    def call(self, kernel: Callable, inputs: Sequence[CachedArray], *args: Any,
+             into: Sequence[CachedArray | None] | None = None, **static: Any) -> tuple[CachedArray, ...]:
+        """`run` then `store` every output: the outputs as CachedArrays, always a tuple.
+
+        ``into`` (one entry per output): an existing CachedArray that output ``i`` is added to and
+        written into (`copy_into`; returned in its place), or None for a new object.  The additions
+        run in the kernel's own program (`accumulating`): a gradient summed over a tensor's uses
+        costs no kernel, object or store of its own."""
+        if into is None or all(t is None for t in into):
+            return tuple(self.store(h) for h in self.run(kernel, inputs, *args, **static))
+        if args:
+            raise ValueError("a kernel called with into= takes its arguments as arrays and static keywords only")
+        mask = tuple(t is not None for t in into)
+        accs = [t for t in into if t is not None]
+        outs = self.run(accumulating(kernel, mask, tuple(sorted(static))), (*accs, *inputs), **static)
+        result = []
+        for h, t in zip(outs, into):
+            if t is None:
+                result.append(self.store(h))
+            else:
+                self.copy_into(t, h)
+                result.append(t)
+        return tuple(result)
 
     def call_into(self, kernel: Callable, inputs: Sequence[CachedArray], targets: Sequence[CachedArray],
                   *args: Any, in_place: Any = None, **static: Any) -> None:
@@ -386,6 +406,32 @@ class Executor:
             self._keep.clear()
             self._keep_bytes = 0
         self._fresh.clear()
+
+
+_ACCUMULATING: dict = {}
+
+
+def accumulating(kernel: Callable, mask: tuple[bool, ...], static: tuple[str, ...] = ()) -> Callable:
+    """``kernel`` as one jitted program that takes, first, one array per True entry of ``mask`` and
+    returns ``acc + output`` for those outputs (``acc + g``, the sum `cnn.kernels.add_fwd` makes, so
+    the bits are the same); the others unchanged.  ``static``: the names of the kernel's static
+    keyword arguments.  Made once per kernel, mask and static names."""
+    key = (kernel, mask, static)
+    fused = _ACCUMULATING.get(key)
+    if fused is None:
+        n = sum(mask)
+
+        def fused(*arrays, **static):
+            out = kernel(*arrays[n:], **static)
+            outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+            if len(outs) != len(mask):
+                raise ValueError(f"into= has {len(mask)} entries for a kernel with {len(outs)} outputs")
+            accs = iter(arrays[:n])
+            return tuple(next(accs) + o if m else o for o, m in zip(outs, mask))
+
+        fused.__name__ = f"{getattr(kernel, '__name__', 'kernel')}+acc"
+        fused = _ACCUMULATING[key] = jax.jit(fused, static_argnames=static)
+    return fused
 
 
 def _stream_handle() -> int:

@@ -4,7 +4,8 @@ Models are Python functions that call ``tape(layer, *inputs)``; the tape runs
 the (annotated) forward pass and records a `Node` per call: the layer, its
 input and output CachedArrays and its saved activations.  `Tape.backward` walks
 the nodes in reverse, accumulating gradients of tensors used more than once
-(residual shortcuts, DenseNet feature maps), and hands dead tensors to the
+(residual shortcuts, DenseNet feature maps; inside the backward kernel of a layer that
+`adds_into`, else by a sum of its own), and hands dead tensors to the
 annotations' cleanup as soon as the node that produced them is done.
 
 The tape keeps every node and every gradient it made (and so every tensor of
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, KeysView
+from typing import Iterator, KeysView, Sequence
 
 from cachedarrays import CachedArray, Preserved, preserve
 
@@ -65,6 +66,19 @@ class GradStore:
         self._drop(acc)
         self.grads[key] = total
         self.users[total.object.id] = 1
+
+    def targets(self, keys: Sequence[int | None]) -> tuple[CachedArray | None, ...]:
+        """Per key (None: no gradient wanted), the gradient a layer may add the key's next
+        contribution into (`Layer.backward`'s ``into``): one held and not shared with another
+        tensor; None for a key's repeats, so that one sum is not written twice."""
+        seen: set[int] = set()
+        out = []
+        for key in keys:
+            acc = self.grads.get(key) if key is not None and key not in seen else None
+            out.append(acc if acc is not None and self.users[acc.object.id] == 1 else None)
+            if key is not None:
+                seen.add(key)
+        return tuple(out)
 
     def pop(self, key: int) -> CachedArray | None:
         g = self.grads.pop(key, None)
@@ -139,9 +153,11 @@ class Tape:
             if dy is None and i != len(self.nodes) - 1:
                 continue  # nothing downstream needs this node's gradient
             need = [x.object.id in self.produced if isinstance(x, CachedArray) else False for x in node.inputs]
-            dxs, dps = self.ann.backward(self.ex, node.layer, dy, node.saved, need)
-            for x, dx, wanted in zip(node.inputs, dxs, need):
-                if dx is not None and wanted:
+            into = (grads.targets([x.object.id if wanted else None for x, wanted in zip(node.inputs, need)])
+                    if node.layer.adds_into else ())
+            dxs, dps = self.ann.backward(self.ex, node.layer, dy, node.saved, need, into)
+            for x, dx, wanted, acc in zip(node.inputs, dxs, need, into or (None,) * len(dxs)):
+                if dx is not None and wanted and acc is None:  # else the layer added dx into acc
                     grads.add(x.object.id, dx)
             for p, dp in zip(node.layer.params, dps):
                 params.setdefault(p.object.id, p)

@@ -3,9 +3,12 @@
 A layer's ``forward(ex, *xs)`` returns ``(y, saved)``: the output CachedArray and
 the tuple of CachedArrays (and plain shapes) the backward pass needs (the saved activations are
 ordinary CachedArrays, so the manager sees and can move every one of them; no
-tensor hides in a JAX closure).  ``backward(ex, dy, saved, need)`` returns
+tensor hides in a JAX closure).  ``backward(ex, dy, saved, need, into=())`` returns
 ``(dxs, dparams)``: one gradient per input (None where ``need`` is False or
-the input is not differentiable) and one per parameter.
+the input is not differentiable) and one per parameter.  ``into``, where given, holds per input
+an existing gradient of that input (or None), given to layers whose ``adds_into`` is True: they
+add their gradient into it inside their own kernel (`Executor.call`'s ``into``) and return that
+object, which saves the kernel, object and store of a separate sum.
 
 Layers know nothing of memory management: the annotations of `cnn.annotate`
 wrap these calls (Listing 4.6), so the maths here stays plain.
@@ -31,16 +34,22 @@ class Layer:
 
     params: tuple[CachedArray, ...] = ()
     name = "layer"
+    adds_into = False  # backward adds each input's gradient into ``into``'s entry where there is one
 
     def forward(self, ex: Executor, *xs: CachedArray) -> tuple[CachedArray, Saved]:
         raise NotImplementedError
 
     def backward(self, ex: Executor, dy: CachedArray, saved: Saved,
-                 need: Sequence[bool]) -> tuple[tuple, tuple]:
+                 need: Sequence[bool], into: Sequence[CachedArray | None] = ()) -> tuple[tuple, tuple]:
         raise NotImplementedError
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name})"
+
+
+def _first(into: Sequence[CachedArray | None]) -> CachedArray | None:
+    """The gradient to add the first input's gradient into, if any."""
+    return into[0] if into else None
 
 
 def _param(m: Manager, value: np.ndarray) -> CachedArray:
@@ -49,6 +58,8 @@ def _param(m: Manager, value: np.ndarray) -> CachedArray:
 
 class Conv2D(Layer):
     """k x k convolution, NHWC input, HWIO filter, no bias (a batch norm usually follows)."""
+
+    adds_into = True
 
     def __init__(self, m: Manager, rng: np.random.Generator, cin: int, cout: int, k: int = 3, stride: int = 1,
                  pad: int | None = None, name: str = "conv"):
@@ -61,10 +72,10 @@ class Conv2D(Layer):
         (y,) = ex.call(K.conv_fwd, (x, self.params[0]), stride=self.stride, pad=self.pad)
         return y, (x,)
 
-    def backward(self, ex, dy, saved, need):
+    def backward(self, ex, dy, saved, need, into=()):
         (x,), (w,) = saved, self.params
         if need[0]:
-            dx, dw = ex.call(K.conv_bwd, (dy, x, w), stride=self.stride, pad=self.pad)
+            dx, dw = ex.call(K.conv_bwd, (dy, x, w), into=(_first(into), None), stride=self.stride, pad=self.pad)
             return (dx,), (dw,)
         (dw,) = ex.call(K.conv_bwd_weights, (dy, x, w), stride=self.stride, pad=self.pad)
         return (None,), (dw,)
@@ -72,6 +83,8 @@ class Conv2D(Layer):
 
 class Dense(Layer):
     """y = x W + b for x of shape (N, D)."""
+
+    adds_into = True
 
     def __init__(self, m: Manager, rng: np.random.Generator, din: int, dout: int, name: str = "dense"):
         self.name = name
@@ -82,13 +95,15 @@ class Dense(Layer):
         (y,) = ex.call(K.dense_fwd, (x, *self.params))
         return y, (x,)
 
-    def backward(self, ex, dy, saved, need):
-        dx, dw, db = ex.call(K.dense_bwd, (dy, saved[0], self.params[0]))
+    def backward(self, ex, dy, saved, need, into=()):
+        dx, dw, db = ex.call(K.dense_bwd, (dy, saved[0], self.params[0]), into=(_first(into), None, None))
         return (dx,), (dw, db)
 
 
 class BatchNorm(Layer):
     """Batch normalisation over N, H, W with batch statistics (saved: input, mean, 1/std)."""
+
+    adds_into = True
 
     def __init__(self, m: Manager, channels: int, name: str = "bn"):
         self.name = name
@@ -98,9 +113,9 @@ class BatchNorm(Layer):
         y, mean, rstd = ex.call(K.bn_fwd, (x, *self.params))
         return y, (x, mean, rstd)
 
-    def backward(self, ex, dy, saved, need):
+    def backward(self, ex, dy, saved, need, into=()):
         x, mean, rstd = saved
-        dx, dgamma, dbeta = ex.call(K.bn_bwd, (dy, x, self.params[0], mean, rstd))
+        dx, dgamma, dbeta = ex.call(K.bn_bwd, (dy, x, self.params[0], mean, rstd), into=(_first(into), None, None))
         return (dx,), (dgamma, dbeta)
 
 
@@ -109,6 +124,8 @@ class BNReLU(Layer):
     which only the ReLU reads, is never stored (a per-kernel host cost and a store saved, as whole-jit
     XLA fuses them too).  Saves the input and the statistics; backward recomputes the ReLU's mask
     from them.  Wraps the existing batch norm and its parameters."""
+
+    adds_into = True
 
     def __init__(self, bn: "BatchNorm"):
         self.bn = bn
@@ -120,9 +137,10 @@ class BNReLU(Layer):
         y, mean, rstd = ex.call(K.bn_relu_fwd, (x, *self.params))
         return y, (x, mean, rstd)
 
-    def backward(self, ex, dy, saved, need):
+    def backward(self, ex, dy, saved, need, into=()):
         x, mean, rstd = saved
-        dx, dgamma, dbeta = ex.call(K.bn_relu_bwd, (dy, x, *self.params, mean, rstd))
+        dx, dgamma, dbeta = ex.call(K.bn_relu_bwd, (dy, x, *self.params, mean, rstd),
+                                    into=(_first(into), None, None))
         return (dx,), (dgamma, dbeta)
 
 
@@ -137,7 +155,7 @@ class AddReLU(Layer):
         (y,) = ex.call(K.add_relu_fwd, (a, b))
         return y, (y,)
 
-    def backward(self, ex, dy, saved, need):
+    def backward(self, ex, dy, saved, need, into=()):
         (dx,) = ex.call(K.relu_bwd, (dy, saved[0]))
         return (dx, dx), ()
 
@@ -147,6 +165,8 @@ class BNReLUConv(Layer):
     norm's input and statistics for backward: the normalised activations (the ReLU output every
     convolution would save) are recomputed there instead of being kept or moved (MemFerry's trade
     of cheap compute for memory and traffic).  Wraps the existing layers and their parameters."""
+
+    adds_into = True
 
     def __init__(self, bn: "BatchNorm", conv: "Conv2D"):
         self.bn, self.conv = bn, conv
@@ -158,9 +178,10 @@ class BNReLUConv(Layer):
         z, mean, rstd = ex.call(K.bn_relu_conv_fwd, (x, *self.params), stride=self.conv.stride, pad=self.conv.pad)
         return z, (x, mean, rstd)
 
-    def backward(self, ex, dz, saved, need):
+    def backward(self, ex, dz, saved, need, into=()):
         x, mean, rstd = saved
         dx, dgamma, dbeta, dw = ex.call(K.bn_relu_conv_bwd, (dz, x, *self.params, mean, rstd),
+                                        into=(_first(into), None, None, None),
                                         stride=self.conv.stride, pad=self.conv.pad)
         return (dx,), (dgamma, dbeta, dw)
 
@@ -195,19 +216,23 @@ def fuse_bn_relu(seq: Sequence[Layer]) -> list[Layer]:
 class ReLU(Layer):
     """max(x, 0); saves its output, whose sign is the backward mask (the next layer saves it anyway)."""
 
+    adds_into = True
+
     name = "relu"
 
     def forward(self, ex, x):
         (y,) = ex.call(K.relu_fwd, (x,))
         return y, (y,)
 
-    def backward(self, ex, dy, saved, need):
-        (dx,) = ex.call(K.relu_bwd, (dy, saved[0]))
+    def backward(self, ex, dy, saved, need, into=()):
+        (dx,) = ex.call(K.relu_bwd, (dy, saved[0]), into=(_first(into),))
         return (dx,), ()
 
 
 class MaxPool(Layer):
     """k x k max pooling with stride s (saved: the input; the maxima are recomputed in backward)."""
+
+    adds_into = True
 
     def __init__(self, k: int = 2, s: int | None = None, name: str = "maxpool"):
         self.k, self.s, self.name = k, (k if s is None else s), name
@@ -216,13 +241,15 @@ class MaxPool(Layer):
         (y,) = ex.call(K.maxpool_fwd, (x,), k=self.k, s=self.s)
         return y, (x,)
 
-    def backward(self, ex, dy, saved, need):
-        (dx,) = ex.call(K.maxpool_bwd, (dy, saved[0]), k=self.k, s=self.s)
+    def backward(self, ex, dy, saved, need, into=()):
+        (dx,) = ex.call(K.maxpool_bwd, (dy, saved[0]), into=(_first(into),), k=self.k, s=self.s)
         return (dx,), ()
 
 
 class AvgPool(Layer):
     """k x k average pooling with stride s (saves only the input shape)."""
+
+    adds_into = True
 
     def __init__(self, k: int = 2, s: int | None = None, name: str = "avgpool"):
         self.k, self.s, self.name = k, (k if s is None else s), name
@@ -231,13 +258,15 @@ class AvgPool(Layer):
         (y,) = ex.call(K.avgpool_fwd, (x,), k=self.k, s=self.s)
         return y, (tuple(x.shape),)
 
-    def backward(self, ex, dy, saved, need):
-        (dx,) = ex.call(K.avgpool_bwd, (dy,), k=self.k, s=self.s, shape=saved[0])
+    def backward(self, ex, dy, saved, need, into=()):
+        (dx,) = ex.call(K.avgpool_bwd, (dy,), into=(_first(into),), k=self.k, s=self.s, shape=saved[0])
         return (dx,), ()
 
 
 class GlobalAvgPool(Layer):
     """(N, H, W, C) -> (N, C) mean over the spatial axes."""
+
+    adds_into = True
 
     name = "gap"
 
@@ -245,13 +274,15 @@ class GlobalAvgPool(Layer):
         (y,) = ex.call(K.gap_fwd, (x,))
         return y, ((x.shape[1], x.shape[2]),)
 
-    def backward(self, ex, dy, saved, need):
-        (dx,) = ex.call(K.gap_bwd, (dy,), hw=saved[0])
+    def backward(self, ex, dy, saved, need, into=()):
+        (dx,) = ex.call(K.gap_bwd, (dy,), into=(_first(into),), hw=saved[0])
         return (dx,), ()
 
 
 class Concat(Layer):
     """Concatenation along channels (DenseNet); backward slices dy."""
+
+    adds_into = True
 
     name = "concat"
 
@@ -259,8 +290,8 @@ class Concat(Layer):
         (y,) = ex.call(K.concat_fwd, xs)
         return y, (tuple(x.shape[-1] for x in xs),)
 
-    def backward(self, ex, dy, saved, need):
-        return ex.call(K.concat_bwd, (dy,), sizes=saved[0]), ()
+    def backward(self, ex, dy, saved, need, into=()):
+        return ex.call(K.concat_bwd, (dy,), into=tuple(into) or None, sizes=saved[0]), ()
 
 
 class Add(Layer):
@@ -272,12 +303,14 @@ class Add(Layer):
         (y,) = ex.call(K.add_fwd, (a, b))
         return y, ()
 
-    def backward(self, ex, dy, saved, need):
+    def backward(self, ex, dy, saved, need, into=()):
         return (dy, dy), ()
 
 
 class SoftmaxCrossEntropy(Layer):
     """Mean cross-entropy of logits (N, classes) against int32 labels (N,); output is a 0-d loss."""
+
+    adds_into = True
 
     name = "xent"
 
@@ -285,6 +318,6 @@ class SoftmaxCrossEntropy(Layer):
         (loss,) = ex.call(K.xent_fwd, (logits, labels))
         return loss, (logits, labels)
 
-    def backward(self, ex, dy, saved, need):
-        (dlogits,) = ex.call(K.xent_bwd, saved)
+    def backward(self, ex, dy, saved, need, into=()):
+        (dlogits,) = ex.call(K.xent_bwd, saved, into=(_first(into),))
         return (dlogits, None), ()
