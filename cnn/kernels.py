@@ -198,11 +198,38 @@ def concat_fwd(*xs):
 
 @partial(jax.jit, static_argnames=("sizes",))
 def concat_bwd(dy, *, sizes: tuple):
+    return _split(dy, sizes)
+
+
+def _split(dy, sizes: tuple) -> tuple:
     bounds, start = [], 0
     for c in sizes:
         bounds.append((start, start + c))
         start += c
     return tuple(dy[..., a:b] for a, b in bounds)
+
+
+# ---------------------------------------------------------------- concatenation fused with the layer that reads it
+@partial(jax.jit, static_argnames=("n", "stride", "pad"))
+def concat_bn_relu_fwd(*args, n: int, stride: int = 0, pad: int = 0):
+    """``args`` = (x1..xn, gamma, beta[, w]): the concatenation h of x1..xn (saved for backward) and
+    `bn_relu_fwd` of it, or `bn_relu_conv_fwd` where a filter ``w`` follows: (h, y, mean, rstd)."""
+    h = jnp.concatenate(args[:n], axis=-1)
+    rest = args[n:]
+    out = bn_relu_fwd(h, *rest) if len(rest) == 2 else bn_relu_conv_fwd(h, *rest, stride=stride, pad=pad)
+    return (h, *out)
+
+
+@partial(jax.jit, static_argnames=("sizes", "stride", "pad"))
+def bn_relu_split_bwd(dy, h, gamma, beta, *rest, sizes: tuple, stride: int = 0, pad: int = 0):
+    """`bn_relu_bwd` (``rest`` = mean, rstd) or `bn_relu_conv_bwd` (``rest`` = w, mean, rstd) of
+    `concat_bn_relu_fwd`, the input's gradient split back into the concatenated tensors' channels:
+    (dx1..dxn, dgamma, dbeta[, dw])."""
+    if len(rest) == 2:
+        dh, *dparams = bn_relu_bwd(dy, h, gamma, beta, *rest)
+    else:
+        dh, *dparams = bn_relu_conv_bwd(dy, h, gamma, beta, *rest, stride=stride, pad=pad)
+    return (*_split(dh, sizes), *dparams)
 
 
 # ---------------------------------------------------------------- loss

@@ -186,6 +186,35 @@ class BNReLUConv(Layer):
         return (dx,), (dgamma, dbeta, dw)
 
 
+class ConcatBNReLU(Layer):
+    """A concatenation and the `BNReLU` or `BNReLUConv` layer that reads it, one kernel each way
+    (DenseNet): saves the concatenation, as the wrapped layer saves its input, and hands the
+    gradient back split per concatenated tensor without storing it whole.  Wraps the existing
+    layer and its parameters."""
+
+    adds_into = True
+
+    def __init__(self, inner: "BNReLU | BNReLUConv"):
+        self.inner = inner
+        self.parts = inner.parts
+        self.params = inner.params
+        self.name = f"concat+{inner.name}"
+        conv = getattr(inner, "conv", None)
+        self.static = {} if conv is None else {"stride": conv.stride, "pad": conv.pad}
+
+    def forward(self, ex, *xs):
+        h, y, mean, rstd = ex.call(K.concat_bn_relu_fwd, (*xs, *self.params), n=len(xs), **self.static)
+        return y, (h, mean, rstd, tuple(x.shape[-1] for x in xs))
+
+    def backward(self, ex, dy, saved, need, into=()):
+        h, mean, rstd, sizes = saved
+        bn = self.params[:2]
+        n = len(sizes)
+        outs = ex.call(K.bn_relu_split_bwd, (dy, h, *bn, *self.params[2:], mean, rstd),
+                       into=tuple(into or (None,) * n) + (None,) * len(self.params), sizes=sizes, **self.static)
+        return outs[:n], outs[n:]
+
+
 def fuse_recomputed(seq: Sequence[Layer]) -> list[Layer]:
     """``seq`` with every batch norm, ReLU, convolution run replaced by one `BNReLUConv`."""
     out, i = [], 0

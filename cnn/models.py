@@ -14,6 +14,7 @@ Every batch norm followed by a ReLU is wired as one `layers.BNReLU`, and every r
 followed by a ReLU as one `layers.AddReLU`: one kernel each way instead of two, as XLA fuses them
 in a whole-jitted step.  ``recompute=True`` wires every batch norm, ReLU, convolution run as one
 `layers.BNReLUConv`, which recomputes the normalised activations in backward instead of keeping them.
+A DenseNet concatenation and the layer that reads it are one `layers.ConcatBNReLU`.
 Neither changes the weights or their initialisation: the layer list, and so the parameters, stay.
 """
 
@@ -28,8 +29,8 @@ import numpy as np
 from cachedarrays import CachedArray, Manager
 
 from .graph import Tape
-from .layers import (AddReLU, AvgPool, BatchNorm, Concat, Conv2D, Dense, GlobalAvgPool, Layer, MaxPool, ReLU,
-                     fuse_bn_relu, fuse_recomputed)
+from .layers import (AddReLU, AvgPool, BatchNorm, BNReLU, BNReLUConv, Concat, ConcatBNReLU, Conv2D, Dense,
+                     GlobalAvgPool, Layer, MaxPool, ReLU, fuse_bn_relu, fuse_recomputed)
 
 RESNET_BLOCKS = {50: [3, 4, 6, 3], 101: [3, 4, 23, 3], 152: [3, 8, 36, 3], 200: [3, 24, 36, 3]}
 DENSENET_BLOCKS = {121: [6, 12, 24, 16], 169: [6, 12, 32, 32], 201: [6, 12, 48, 32], 264: [6, 12, 64, 48]}
@@ -245,6 +246,8 @@ def densenet(m: Manager, depth: int = 121, width: int = 8, image: int = 32, clas
             c = cout
         plan.append((layers, concat, transition))
     head = _fused([b.bn(c), b.new(ReLU()), b.new(GlobalAvgPool()), b.dense(c, classes, "fc")], recompute)
+    fused = {id(seq[0]): ConcatBNReLU(seq[0]) for seq in [head] + [t for _, _, t in plan if t] +
+             [seq for layers, _, _ in plan for seq in layers] if isinstance(seq[0], (BNReLU, BNReLUConv))}
 
     def wiring(tape: Tape, x: CachedArray) -> CachedArray:
         x = tape(stem, x)
@@ -252,16 +255,22 @@ def densenet(m: Manager, depth: int = 121, width: int = 8, image: int = 32, clas
             with tape.scope():
                 features = [x]
                 for layer_seq in layers:
-                    h = features[0] if len(features) == 1 else tape(concat, *features)
-                    for layer in layer_seq:
-                        h = tape(layer, h)
-                    features.append(h)
-                x = tape(concat, *features)
-            for layer in transition or ():
-                x = tape(layer, x)
-        for layer in head:
-            x = tape(layer, x)
+                    features.append(_after(tape, concat, features, layer_seq))
+            x = _after(tape, concat, features, head if transition is None else transition)
         return x
+
+    def _after(tape: Tape, concat: Concat, features: list, seq: list[Layer]) -> CachedArray:
+        """``seq`` applied to the concatenation of ``features``, its first layer and the concatenation
+        as one `ConcatBNReLU` where that can wrap it."""
+        if len(features) == 1:
+            h = features[0]
+        elif id(seq[0]) in fused:
+            h, seq = tape(fused[id(seq[0])], *features), seq[1:]
+        else:
+            h = tape(concat, *features)
+        for layer in seq:
+            h = tape(layer, h)
+        return h
 
     return Model(f"densenet{depth}", b.layers, wiring, (image, image, in_channels), classes,
                  {"family": "densenet", "depth": depth, "growth": k, "blocks": blocks})
