@@ -342,6 +342,10 @@ class Executor:
         mask = tuple(t is not None for t in into)
         accs = [t for t in into if t is not None]
         outs = self.run(accumulating(kernel, mask, tuple(sorted(static))), (*accs, *inputs), **static)
+        for i, (h, t) in enumerate(zip(outs, into)):
+            if t is not None and (tuple(h.shape) != t.shape or np.dtype(h.dtype) != t.dtype):
+                raise ValueError(f"into[{i}] has shape {t.shape} and dtype {t.dtype}, but the sum with output {i} "
+                                 f"has shape {tuple(h.shape)} and dtype {h.dtype}")
         result = []
         for h, t in zip(outs, into):
             if t is None:

@@ -555,3 +555,126 @@ def test_an_in_place_update_writes_its_targets_where_they_are_and_records_the_ke
     np.testing.assert_array_equal(np.asarray(w16), np.full(10, -1, np.float16))
     assert ex.stats.calls == 2 and ran == [3] and (ex.stats.copies, ex.stats.copied) == (1, w16.nbytes)
     manager.check()
+
+
+# ---------------------------------------------------------------- sums and concatenations inside the kernels
+def test_call_into_adds_outputs_into_their_targets_in_the_kernels_own_program(manager):
+    """``Executor.call(into=...)``: output i is added to ``into[i]`` (``acc + out``, `add_fwd`'s
+    sum) and written into that object, which is returned in its place; the others are new objects;
+    the step records one accumulating kernel, not a kernel and a sum."""
+    ex = Executor(manager, tape=[])
+    x = CachedArray(np.arange(64, dtype=np.float32), manager)
+    acc = CachedArray(np.full(64, 0.25, np.float32), manager)
+    two = jax.jit(lambda a: (a * 2, a + 1))
+    d, e = ex.call(two, (x,), into=(acc, None))
+    assert d is acc and e is not acc and ex.stats.calls == 1 and len(ex.tape) == 1
+    ex.sync()
+    np.testing.assert_array_equal(np.asarray(acc), np.float32(0.25) + np.arange(64, dtype=np.float32) * 2)
+    np.testing.assert_array_equal(np.asarray(e), np.arange(64, dtype=np.float32) + 1)
+    assert ex.tape[0][0].__name__.endswith("+acc")
+    ex.call(two, (x,), into=(acc, e))  # every output into a target
+    ex.sync()
+    np.testing.assert_array_equal(np.asarray(acc), np.float32(0.25) + np.arange(64, dtype=np.float32) * 4)
+    np.testing.assert_array_equal(np.asarray(e), np.arange(64, dtype=np.float32) * 2 + 2)
+    assert ex.call(two, (x,), into=(None, None))[0] is not acc  # no target: plain `call`
+    manager.check()
+
+
+def test_call_into_with_targets_that_do_not_fit_is_a_clear_error_that_writes_nothing(manager):
+    ex = Executor(manager)
+    x = CachedArray(np.arange(64, dtype=np.float32), manager)
+    acc = CachedArray(np.ones(64, np.float32), manager)
+    small = CachedArray(np.ones(8, np.float32), manager)
+    live = len(manager.objects())
+    with pytest.raises(ValueError, match="into= has 2 entries for a kernel with 1 outputs"):
+        ex.call(_double, (x,), into=(acc, None))
+    with pytest.raises(ValueError, match=r"into\[0\] has shape \(8,\)"):
+        ex.call(jax.jit(lambda a: a.reshape(8, 8)), (x,), into=(small,))
+    with pytest.raises(ValueError, match="arrays and static keywords only"):
+        ex.call(_double, (x,), 3, into=(acc,))
+    ex.sync()
+    np.testing.assert_array_equal(np.asarray(acc), np.ones(64, np.float32))
+    np.testing.assert_array_equal(np.asarray(small), np.ones(8, np.float32))
+    assert len(manager.objects()) == live  # no output stored
+    manager.check()
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_densenet_sums_and_concatenations_inside_kernels_give_the_separate_kernels_gradients(recompute, manager,
+                                                                                           monkeypatch):
+    """A DenseNet step with gradients summed inside the backward kernels and each concatenation fused
+    with the layer reading it (`ConcatBNReLU`) runs no sum or concatenation kernel of its own, and
+    gives the gradients of the same maths as separate kernels (within float rounding: XLA may fuse
+    the sums' arithmetic differently)."""
+    from cnn import layers as L
+    from cnn import models
+    rng = np.random.default_rng(3)
+    xs = rng.standard_normal((4, 8, 8, 3), dtype=np.float32)
+    ys = rng.integers(0, 10, 4, dtype=np.int32)
+
+    def gradients():
+        model = build("densenet", manager, depth=9, width=4, image=8, classes=10, recompute=recompute)
+        ex = Executor(manager, tape=[])
+        tape = Tape(ex, Annotations(manager))
+        loss = tape(SoftmaxCrossEntropy(), model.forward(tape, CachedArray(xs, manager)), CachedArray(ys, manager))
+        grads = [np.asarray(g) for _, g in tape.backward(loss)]
+        ex.sync()
+        return grads, [getattr(k, "__name__", "") for k, *_ in ex.tape]
+
+    fused, names = gradients()
+    assert not {"add_fwd", "concat_fwd", "concat_bwd"} & set(names)
+    assert any(n.endswith("+acc") for n in names) and "concat_bn_relu_fwd" in names
+    with monkeypatch.context() as mp:  # the same model with separate sums and concatenations
+        mp.setattr(models, "BNReLU", type("Unfused", (), {}))  # no layer for ConcatBNReLU to wrap
+        mp.setattr(models, "BNReLUConv", type("Unfused", (), {}))
+        for cls in (L.Conv2D, L.BNReLU, L.BNReLUConv, L.Concat, L.AvgPool, L.GlobalAvgPool, L.Dense,
+                    L.SoftmaxCrossEntropy):
+            mp.setattr(cls, "adds_into", False)
+        separate, names = gradients()
+    assert {"add_fwd", "concat_fwd", "concat_bwd"} <= set(names)
+    assert len(fused) == len(separate)
+    for a, b in zip(fused, separate):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_tensor_concatenated_with_itself_gets_both_gradients(manager):
+    """`GradStore.targets` hands a layer a running sum once per node and never one that another
+    tensor shares: a tensor read twice by one concatenation gets both slices' gradients."""
+    from cnn.graph import GradStore
+    from cnn.layers import BatchNorm, BNReLU, ConcatBNReLU, Conv2D, Dense, GlobalAvgPool
+    ex = Executor(manager)
+    store = GradStore(ex)
+    a, b = (CachedArray(np.ones(4, np.float32), manager) for _ in range(2))
+    store.add(1, a)
+    store.add(2, b)
+    store.add(3, b)  # b serves keys 2 and 3
+    assert [t is a if t is not None else None for t in store.targets([1, 1, None, 2, 5])] == [True] + [None] * 4
+
+    rng = np.random.default_rng(0)
+    conv = Conv2D(manager, rng, 3, 4)
+    layers = [conv, ConcatBNReLU(BNReLU(BatchNorm(manager, 8))), ConcatBNReLU(BNReLU(BatchNorm(manager, 12))),
+              GlobalAvgPool(), Dense(manager, rng, 12, 10)]
+    params = [p for layer in layers for p in layer.params]
+
+    def forward(tape, x):
+        h = tape(layers[0], x)
+        u = tape(layers[1], h, h)  # h's gradient from the next layer is there when this one's comes
+        u = tape(layers[2], u, h)
+        return tape(layers[4], tape(layers[3], u))
+
+    xs = rng.standard_normal((4, 8, 8, 3), dtype=np.float32)
+    ys = rng.integers(0, 10, 4, dtype=np.int32)
+    x, y = CachedArray(xs, manager), CachedArray(ys, manager)
+    tape = Tape(ex, Annotations(manager))
+    loss = tape(SoftmaxCrossEntropy(), forward(tape, x), y)
+    ours = {p.object.id: np.asarray(g) for p, g in tape.backward(loss)}
+
+    def reference(values):
+        subst = dict(values)
+        subst[x.object.id] = jnp.asarray(xs)
+        return K.xent_fwd(forward(_JaxTape(_JaxExec(subst)), x), jnp.asarray(ys))
+
+    ref = jax.jit(jax.grad(reference))({p.object.id: jnp.asarray(np.asarray(p)) for p in params})
+    assert set(ours) == set(ref)
+    for pid, g in ours.items():
+        np.testing.assert_allclose(g, np.asarray(ref[pid]), rtol=2e-3, atol=2e-5)
