@@ -32,8 +32,8 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from . import kernels as K
-from .layers import (Add, AddReLU, AvgPool, BatchNorm, BNReLU, BNReLUConv, Concat, ConcatBNReLU, Conv2D, Dense,
-                     GlobalAvgPool, Layer, MaxPool, ReLU, SoftmaxCrossEntropy)
+from .layers import (Add, AddReLU, AvgPool, BatchNorm, BNReLU, BNReLUConv, Concat, ConcatBNReLU, Conv2D, ConvBN,
+                     Dense, GlobalAvgPool, Layer, MaxPool, ReLU, SoftmaxCrossEntropy)
 from .models import Model
 
 VARIANTS = ("whole", "remat", "offload")
@@ -43,6 +43,9 @@ def apply(layer: Layer, params: tuple, xs: list):
     """``layer``'s forward output on JAX values ``xs`` with weights ``params`` (the kernels' maths)."""
     if isinstance(layer, ConcatBNReLU):
         return apply(layer.inner, params, [K.concat_fwd(*xs)])
+    if isinstance(layer, ConvBN):
+        n = len(layer.conv.params)
+        return apply(layer.bn, params[n:], [apply(layer.conv, params[:n], xs)])
     if isinstance(layer, Conv2D):
         return K._conv(xs[0], params[0], layer.stride, layer.pad)
     if isinstance(layer, BNReLUConv):

@@ -130,6 +130,38 @@ def bn_relu_conv_bwd(dz, x, gamma, beta, w, mean, rstd, *, stride: int, pad: int
     return dx, dgamma, dbeta, dw
 
 
+# ---------------------------------------------------------------- convolution, then batch norm (and ReLU)
+@partial(jax.jit, static_argnames=("stride", "pad", "relu"))
+def conv_bn_fwd(x, w, gamma, beta, *, stride: int, pad: int, relu: bool):
+    """(z, y, mean, rstd): the convolution's output z (the batch norm's saved input) and
+    `bn_relu_fwd` (``relu``) or `bn_fwd` of it."""
+    z = _conv(x, w, stride, pad)
+    return (z, *(bn_relu_fwd if relu else bn_fwd)(z, gamma, beta))
+
+
+@partial(jax.jit, static_argnames=("stride", "pad", "relu"))
+def conv_bn_bwd(dy, x, z, w, gamma, beta, mean, rstd, *, stride: int, pad: int, relu: bool):
+    """(dx, dw, dgamma, dbeta) of `conv_bn_fwd`: the convolution's output gradient never leaves the kernel."""
+    if relu:
+        dz, dgamma, dbeta = bn_relu_bwd(dy, z, gamma, beta, mean, rstd)
+    else:
+        dz, dgamma, dbeta = bn_bwd(dy, z, gamma, mean, rstd)
+    _, pull = jax.vjp(lambda a, b: _conv(a, b, stride, pad), x, w)
+    dx, dw = pull(dz)
+    return dx, dw, dgamma, dbeta
+
+
+@partial(jax.jit, static_argnames=("stride", "pad", "relu"))
+def conv_bn_bwd_weights(dy, x, z, w, gamma, beta, mean, rstd, *, stride: int, pad: int, relu: bool):
+    """(dw, dgamma, dbeta): `conv_bn_bwd` for a convolution whose input needs no gradient."""
+    if relu:
+        dz, dgamma, dbeta = bn_relu_bwd(dy, z, gamma, beta, mean, rstd)
+    else:
+        dz, dgamma, dbeta = bn_bwd(dy, z, gamma, mean, rstd)
+    _, pull = jax.vjp(lambda b: _conv(x, b, stride, pad), w)
+    return pull(dz)[0], dgamma, dbeta
+
+
 # ---------------------------------------------------------------- element-wise
 @jax.jit
 def relu_fwd(x):

@@ -215,6 +215,46 @@ class ConcatBNReLU(Layer):
         return outs[:n], outs[n:]
 
 
+class ConvBN(Layer):
+    """A convolution and the `BatchNorm` or `BNReLU` after it as one layer, one kernel each way: saves
+    the convolution's input and output (what the two layers save) and never stores the gradient
+    between them.  Wraps the existing layers and their parameters."""
+
+    adds_into = True
+
+    def __init__(self, conv: Conv2D, bn: "BatchNorm | BNReLU"):
+        self.conv, self.bn = conv, bn
+        self.parts = (conv, *getattr(bn, "parts", (bn,)))
+        self.params = conv.params + bn.params
+        self.name = f"{conv.name}+{bn.name}"
+        self.static = {"stride": conv.stride, "pad": conv.pad, "relu": isinstance(bn, BNReLU)}
+
+    def forward(self, ex, x):
+        z, y, mean, rstd = ex.call(K.conv_bn_fwd, (x, *self.params), **self.static)
+        return y, (x, z, mean, rstd)
+
+    def backward(self, ex, dy, saved, need, into=()):
+        x, z, mean, rstd = saved
+        if need[0]:
+            dx, *dps = ex.call(K.conv_bn_bwd, (dy, x, z, *self.params, mean, rstd),
+                               into=(_first(into), None, None, None), **self.static)
+            return (dx,), tuple(dps)
+        return (None,), ex.call(K.conv_bn_bwd_weights, (dy, x, z, *self.params, mean, rstd), **self.static)
+
+
+def fuse_conv_bn(seq: Sequence[Layer]) -> list[Layer]:
+    """``seq`` with every convolution directly followed by a `BatchNorm` or `BNReLU` replaced by one `ConvBN`."""
+    out, i = [], 0
+    while i < len(seq):
+        if i + 1 < len(seq) and isinstance(seq[i], Conv2D) and isinstance(seq[i + 1], (BatchNorm, BNReLU)):
+            out.append(ConvBN(seq[i], seq[i + 1]))
+            i += 2
+        else:
+            out.append(seq[i])
+            i += 1
+    return out
+
+
 def fuse_recomputed(seq: Sequence[Layer]) -> list[Layer]:
     """``seq`` with every batch norm, ReLU, convolution run replaced by one `BNReLUConv`."""
     out, i = [], 0

@@ -134,7 +134,7 @@ def test_saved_activations_are_cachedarrays_of_the_manager(manager):
     tape = Tape(ex, Annotations(manager))
     x = CachedArray(np.random.default_rng(0).standard_normal((4, 8, 8, 3), dtype=np.float32), manager)
     model.forward(tape, x)
-    assert len(tape.nodes) > 20
+    assert len(tape.nodes) > 15
     for node in tape.nodes:
         assert isinstance(node.output, CachedArray)
         for s in node.saved:
@@ -599,42 +599,47 @@ def test_call_into_with_targets_that_do_not_fit_is_a_clear_error_that_writes_not
     manager.check()
 
 
-@pytest.mark.parametrize("recompute", [False, True])
-def test_densenet_sums_and_concatenations_inside_kernels_give_the_separate_kernels_gradients(recompute, manager,
-                                                                                           monkeypatch):
-    """A DenseNet step with gradients summed inside the backward kernels and each concatenation fused
-    with the layer reading it (`ConcatBNReLU`) runs no sum or concatenation kernel of its own, and
-    gives the gradients of the same maths as separate kernels (within float rounding: XLA may fuse
-    the sums' arithmetic differently)."""
+@pytest.mark.parametrize("family,recompute", [("densenet", False), ("densenet", True), ("resnet", False)])
+def test_sums_and_fused_layers_inside_kernels_give_the_separate_kernels_gradients(family, recompute, manager,
+                                                                                 monkeypatch):
+    """A step with gradients summed inside the backward kernels, each convolution fused with the
+    batch norm after it (`ConvBN`) and each DenseNet concatenation with the layer reading it
+    (`ConcatBNReLU`) runs no sum or concatenation kernel of its own, and gives the gradients of the
+    same maths as separate kernels (within float rounding: XLA may fuse the arithmetic differently)."""
     from cnn import layers as L
     from cnn import models
     rng = np.random.default_rng(3)
     xs = rng.standard_normal((4, 8, 8, 3), dtype=np.float32)
     ys = rng.integers(0, 10, 4, dtype=np.int32)
+    cfg = TINY[family]
 
     def gradients():
-        model = build("densenet", manager, depth=9, width=4, image=8, classes=10, recompute=recompute)
+        model = build(family, manager, depth=cfg.depth, width=cfg.width, image=8, classes=10, recompute=recompute)
         ex = Executor(manager, tape=[])
         tape = Tape(ex, Annotations(manager))
         loss = tape(SoftmaxCrossEntropy(), model.forward(tape, CachedArray(xs, manager)), CachedArray(ys, manager))
-        grads = [np.asarray(g) for _, g in tape.backward(loss)]
+        index = {p.object.id: i for i, p in enumerate(model.params)}
+        grads = {index[p.object.id]: np.asarray(g) for p, g in tape.backward(loss)}
         ex.sync()
-        return grads, [getattr(k, "__name__", "") for k, *_ in ex.tape]
+        return grads, {getattr(k, "__name__", "") for k, *_ in ex.tape}
 
     fused, names = gradients()
-    assert not {"add_fwd", "concat_fwd", "concat_bwd"} & set(names)
-    assert any(n.endswith("+acc") for n in names) and "concat_bn_relu_fwd" in names
-    with monkeypatch.context() as mp:  # the same model with separate sums and concatenations
+    assert not {"add_fwd", "concat_fwd", "concat_bwd"} & names
+    assert any(n.endswith("+acc") for n in names)
+    assert ("concat_bn_relu_fwd" in names) == (family == "densenet")
+    assert ("conv_bn_fwd" in names) == (not recompute)
+    with monkeypatch.context() as mp:  # the same model with separate sums, concatenations and batch norms
         mp.setattr(models, "BNReLU", type("Unfused", (), {}))  # no layer for ConcatBNReLU to wrap
         mp.setattr(models, "BNReLUConv", type("Unfused", (), {}))
+        mp.setattr(models, "fuse_conv_bn", list)
         for cls in (L.Conv2D, L.BNReLU, L.BNReLUConv, L.Concat, L.AvgPool, L.GlobalAvgPool, L.Dense,
-                    L.SoftmaxCrossEntropy):
+                    L.SoftmaxCrossEntropy, L.BatchNorm, L.MaxPool, L.ReLU):
             mp.setattr(cls, "adds_into", False)
         separate, names = gradients()
-    assert {"add_fwd", "concat_fwd", "concat_bwd"} <= set(names)
-    assert len(fused) == len(separate)
-    for a, b in zip(fused, separate):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert "add_fwd" in names and not {"conv_bn_fwd", "concat_bn_relu_fwd"} & names
+    assert set(fused) == set(separate) == set(range(len(fused)))
+    for i, g in fused.items():
+        np.testing.assert_allclose(g, separate[i], rtol=1e-5, atol=1e-6)
 
 
 def test_a_tensor_concatenated_with_itself_gets_both_gradients(manager):
