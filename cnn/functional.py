@@ -201,13 +201,19 @@ def initial_state(model: Model, device=None) -> tuple[list, list]:
 
 
 def output_bytes(model: Model, batch: int) -> int:
-    """Bytes of every layer output of one forward pass at ``batch`` (shapes only: nothing is computed)."""
+    """Bytes of every layer output of one forward pass at ``batch``, counting the outputs a fused
+    layer makes inside (a `ConvBN`'s convolution output, a `ConcatBNReLU`'s concatenation) as the
+    separate layers would (shapes only: nothing is computed)."""
     sizes: list[int] = []
 
     class _Counting(FunctionalTape):
         def __call__(self, layer, *xs):
             y = super().__call__(layer, *xs)
             sizes.append(y.size * y.dtype.itemsize)
+            if isinstance(layer, ConvBN):  # the convolution's output, the shape of the batch norm's
+                sizes.append(y.size * y.dtype.itemsize)
+            elif isinstance(layer, ConcatBNReLU):
+                sizes.append(sum(x.size * x.dtype.itemsize for x in xs))
             return y
 
     params = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in model.params]

@@ -256,19 +256,24 @@ def densenet(m: Manager, depth: int = 121, width: int = 8, image: int = 32, clas
             with tape.scope():
                 features = [x]
                 for layer_seq in layers:
-                    features.append(_after(tape, concat, features, layer_seq))
-            x = _after(tape, concat, features, head if transition is None else transition)
+                    h, rest = _concatenated(tape, concat, features, layer_seq)
+                    features.append(_chain(tape, rest, h))
+                # the block's output is what the next layers read: the transition's (or head's)
+                # first layer, where it takes in the concatenation, is the block's last
+                x, rest = _concatenated(tape, concat, features, head if transition is None else transition)
+            x = _chain(tape, rest, x)
         return x
 
-    def _after(tape: Tape, concat: Concat, features: list, seq: list[Layer]) -> CachedArray:
-        """``seq`` applied to the concatenation of ``features``, its first layer and the concatenation
-        as one `ConcatBNReLU` where that can wrap it."""
+    def _concatenated(tape: Tape, concat: Concat, features: list, seq: list[Layer]) -> tuple:
+        """The concatenation of ``features`` and what of ``seq`` is left to apply to it: its first
+        layer and the concatenation are one `ConcatBNReLU` where that can wrap it."""
         if len(features) == 1:
-            h = features[0]
-        elif id(seq[0]) in fused:
-            h, seq = tape(fused[id(seq[0])], *features), seq[1:]
-        else:
-            h = tape(concat, *features)
+            return features[0], seq
+        if id(seq[0]) in fused:
+            return tape(fused[id(seq[0])], *features), seq[1:]
+        return tape(concat, *features), seq
+
+    def _chain(tape: Tape, seq: list[Layer], h: CachedArray) -> CachedArray:
         for layer in seq:
             h = tape(layer, h)
         return h

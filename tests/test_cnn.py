@@ -365,14 +365,17 @@ def test_depth_counts_weighted_layers_like_the_model_names(manager):
 
 
 # ---------------------------------------------------------------- the GPU path's logic on the CPU
-def test_block_remat_gives_the_layer_by_layer_losses():
-    """`cnn.functional` (the benchmark's baselines) trains the same model: same losses to rounding."""
+@pytest.mark.parametrize("family", ["resnet", "densenet"])
+def test_block_remat_gives_the_layer_by_layer_losses(family):
+    """`cnn.functional` (the benchmark's baselines) trains the same model: same losses to rounding.
+    Rematerialised blocks keep only their last output, so nothing after a block may read inside it."""
     from cnn.data import synthetic_batch
     from cnn.functional import initial_state, train_step
-    cfg, fp = TINY["resnet"], footprint("resnet")
-    ours = [r.loss for r in run_mode(cfg, "dram", None, 2, fp).records]
+    import dataclasses
+    cfg = TINY[family] if family == "resnet" else dataclasses.replace(TINY[family], depth=13)  # blocks of 2+ layers
+    ours = [r.loss for r in run_mode(cfg, "dram", None, 2, measure_footprint(cfg)).records]
     with Manager(DRAM("8MiB"), PM(None, "16MiB"), policy=LRUPolicy()) as m:
-        model = build("resnet", m, depth=cfg.depth, width=cfg.width, image=cfg.image, classes=cfg.classes)
+        model = build(family, m, depth=cfg.depth, width=cfg.width, image=cfg.image, classes=cfg.classes)
         for variant in ("remat",):  # block replay under jax.checkpoint; "whole" is its code without scopes
             params, momenta = initial_state(model)
             step, losses = train_step(model, cfg.lr, cfg.momentum, variant), []
@@ -683,3 +686,17 @@ def test_a_tensor_concatenated_with_itself_gets_both_gradients(manager):
     assert set(ours) == set(ref)
     for pid, g in ours.items():
         np.testing.assert_allclose(g, np.asarray(ref[pid]), rtol=2e-3, atol=2e-5)
+
+
+@pytest.mark.parametrize("family", ["resnet", "densenet"])
+def test_output_bytes_count_what_fused_layers_make_inside_as_the_separate_layers_would(family, manager,
+                                                                                       monkeypatch):
+    """The GPU benchmark sizes its batch from `output_bytes`: fusing layers must not change it."""
+    from cnn import models
+    from cnn.functional import output_bytes
+    depth = {"resnet": 14, "densenet": 13}[family]
+    fused = output_bytes(build(family, manager, depth=depth, width=4, image=16, classes=10), 3)
+    monkeypatch.setattr(models, "BNReLU", type("Unfused", (), {}))
+    monkeypatch.setattr(models, "BNReLUConv", type("Unfused", (), {}))
+    monkeypatch.setattr(models, "fuse_conv_bn", list)
+    assert output_bytes(build(family, manager, depth=depth, width=4, image=16, classes=10), 3) == fused
