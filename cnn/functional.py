@@ -32,8 +32,8 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from . import kernels as K
-from .layers import (Add, AddReLU, AvgPool, BatchNorm, BNReLU, BNReLUConv, Concat, ConcatBNReLU, Conv2D, ConvBN,
-                     Dense, GlobalAvgPool, Layer, MaxPool, ReLU, SoftmaxCrossEntropy)
+from .layers import (Add, AddReLU, AvgPool, BatchNorm, BNReLU, BNReLUConv, Chain, Concat, ConcatBNReLU, Conv2D,
+                     ConvBN, Dense, GlobalAvgPool, Layer, MaxPool, ReLU, SoftmaxCrossEntropy)
 from .models import Model
 
 VARIANTS = ("whole", "remat", "offload")
@@ -43,6 +43,12 @@ def apply(layer: Layer, params: tuple, xs: list):
     """``layer``'s forward output on JAX values ``xs`` with weights ``params`` (the kernels' maths)."""
     if isinstance(layer, ConcatBNReLU):
         return apply(layer.inner, params, [K.concat_fwd(*xs)])
+    if isinstance(layer, Chain):
+        x, i = xs[0], 0
+        for member in layer.layers:
+            n = len(member.params)
+            x, i = apply(member, params[i:i + n], [x]), i + n
+        return x
     if isinstance(layer, ConvBN):
         n = len(layer.conv.params)
         return apply(layer.bn, params[n:], [apply(layer.conv, params[:n], xs)])
@@ -200,6 +206,25 @@ def initial_state(model: Model, device=None) -> tuple[list, list]:
     return params, [jnp.zeros_like(p) for p in params]
 
 
+def _inner_bytes(layer: Layer, params: tuple, xs: list) -> list[int]:
+    """Bytes of the outputs fused ``layer`` makes inside, as the separate layers would store them."""
+    if isinstance(layer, ConvBN):  # the convolution's output, the shape of the batch norm's
+        y = apply(layer, params, xs)
+        return [y.size * y.dtype.itemsize]
+    if isinstance(layer, ConcatBNReLU):
+        return [sum(x.size * x.dtype.itemsize for x in xs)]
+    if isinstance(layer, Chain):
+        out, x, i = [], xs[0], 0
+        for k, member in enumerate(layer.layers):
+            n = len(member.params)
+            out += _inner_bytes(member, params[i:i + n], [x])
+            x, i = apply(member, params[i:i + n], [x]), i + n
+            if k < len(layer.layers) - 1:  # each member's output but the last, which is the chain's
+                out.append(x.size * x.dtype.itemsize)
+        return out
+    return []
+
+
 def output_bytes(model: Model, batch: int) -> int:
     """Bytes of every layer output of one forward pass at ``batch``, counting the outputs a fused
     layer makes inside (a `ConvBN`'s convolution output, a `ConcatBNReLU`'s concatenation) as the
@@ -210,10 +235,7 @@ def output_bytes(model: Model, batch: int) -> int:
         def __call__(self, layer, *xs):
             y = super().__call__(layer, *xs)
             sizes.append(y.size * y.dtype.itemsize)
-            if isinstance(layer, ConvBN):  # the convolution's output, the shape of the batch norm's
-                sizes.append(y.size * y.dtype.itemsize)
-            elif isinstance(layer, ConcatBNReLU):
-                sizes.append(sum(x.size * x.dtype.itemsize for x in xs))
+            sizes.extend(_inner_bytes(layer, self._params(layer), [self._value(x) for x in xs]))
             return y
 
     params = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in model.params]

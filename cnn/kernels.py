@@ -162,6 +162,80 @@ def conv_bn_bwd_weights(dy, x, z, w, gamma, beta, mean, rstd, *, stride: int, pa
     return pull(dz)[0], dgamma, dbeta
 
 
+# ---------------------------------------------------------------- chains of one-input layers
+# A member of a chain by its signature: ("conv", stride, pad) or ("conv_bn", stride, pad, relu).
+_PARAMS = {"conv": 1, "conv_bn": 3}
+
+
+def _member_fwd(sig: tuple, x, params):
+    """(y, saved) of one member: what `layers.Conv2D` / `layers.ConvBN` compute and save."""
+    if sig[0] == "conv":
+        return _conv(x, params[0], sig[1], sig[2]), (x,)
+    z, y, mean, rstd = conv_bn_fwd(x, *params, stride=sig[1], pad=sig[2], relu=sig[3])
+    return y, (x, z, mean, rstd)
+
+
+def _member_bwd(sig: tuple, dy, saved, params, need_dx: bool):
+    """(dx or None, dparams) of one member."""
+    if sig[0] == "conv":
+        (x,), (w,) = saved, params
+        if need_dx:
+            dx, dw = conv_bwd(dy, x, w, stride=sig[1], pad=sig[2])
+            return dx, (dw,)
+        return None, (conv_bwd_weights(dy, x, w, stride=sig[1], pad=sig[2]),)
+    static = dict(stride=sig[1], pad=sig[2], relu=sig[3])
+    if need_dx:
+        dx, *dps = conv_bn_bwd(dy, *saved[:2], *params, *saved[2:], **static)
+        return dx, tuple(dps)
+    return None, tuple(conv_bn_bwd_weights(dy, *saved[:2], *params, *saved[2:], **static))
+
+
+_CHAINS: dict = {}
+
+
+def chain_kernels(sigs: tuple) -> tuple:
+    """Jitted (forward, backward, backward without the input's gradient) of a chain of members:
+
+    forward(x, *params) = (y, *saved): every tensor the members save but the chain's input x;
+    backward(dy, x, *saved, *params) = (dx, *dparams); the third returns dparams only."""
+    if sigs in _CHAINS:
+        return _CHAINS[sigs]
+    counts = [_PARAMS[sig[0]] for sig in sigs]
+
+    def split(params):
+        out, i = [], 0
+        for n in counts:
+            out.append(params[i:i + n])
+            i += n
+        return out
+
+    def forward(x, *params):
+        saved = []
+        for sig, ps in zip(sigs, split(params)):
+            x, s = _member_fwd(sig, x, ps)
+            saved.append(s)
+        return (x, *[t for s in saved for t in s][1:])
+
+    def backward(need_dx, dy, x, *rest):
+        flat, params = (x, *rest[:len(rest) - sum(counts)]), rest[len(rest) - sum(counts):]
+        saved, i = [], 0
+        for sig in sigs:
+            n = 1 if sig[0] == "conv" else 4
+            saved.append(flat[i:i + n])
+            i += n
+        dps = []
+        for k in range(len(sigs) - 1, -1, -1):
+            dy, d = _member_bwd(sigs[k], dy, saved[k], split(params)[k], need_dx or k > 0)
+            dps.append(d)
+        return (*((dy,) if need_dx else ()), *[t for d in reversed(dps) for t in d])
+
+    kernels = (jax.jit(forward), jax.jit(partial(backward, True)), jax.jit(partial(backward, False)))
+    for k, name in zip(kernels, ("chain_fwd", "chain_bwd", "chain_bwd_weights")):
+        k.__name__ = name
+    _CHAINS[sigs] = kernels
+    return kernels
+
+
 # ---------------------------------------------------------------- element-wise
 @jax.jit
 def relu_fwd(x):

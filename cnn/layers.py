@@ -242,6 +242,56 @@ class ConvBN(Layer):
         return (None,), ex.call(K.conv_bn_bwd_weights, (dy, x, z, *self.params, mean, rstd), **self.static)
 
 
+class Chain(Layer):
+    """Consecutive `Conv2D` and `ConvBN` layers as one layer, one kernel each way
+    (`cnn.kernels.chain_kernels`): the forward kernel returns every tensor the layers save, the
+    backward kernel runs their backward passes in reverse, and the gradients between them are never
+    stored.  A DenseNet layer's two convolutions, a ResNet bottleneck's three.  Wraps the existing
+    layers and their parameters."""
+
+    adds_into = True
+
+    def __init__(self, layers: Sequence["Conv2D | ConvBN"]):
+        self.layers = tuple(layers)
+        self.parts = tuple(part for layer in self.layers for part in getattr(layer, "parts", (layer,)))
+        self.params = sum((layer.params for layer in self.layers), ())
+        self.name = "+".join(layer.name for layer in self.layers)
+        self.kernels = K.chain_kernels(tuple(_signature(layer) for layer in self.layers))
+
+    def forward(self, ex, x):
+        y, *saved = ex.call(self.kernels[0], (x, *self.params))
+        return y, (x, *saved)
+
+    def backward(self, ex, dy, saved, need, into=()):
+        if need[0]:
+            dx, *dps = ex.call(self.kernels[1], (dy, *saved, *self.params),
+                               into=(_first(into),) + (None,) * len(self.params))
+            return (dx,), tuple(dps)
+        return (None,), ex.call(self.kernels[2], (dy, *saved, *self.params))
+
+
+def _signature(layer: Layer) -> tuple:
+    """A chain member's kernel signature (`cnn.kernels.chain_kernels`)."""
+    if isinstance(layer, Conv2D):
+        return ("conv", layer.stride, layer.pad)
+    return ("conv_bn", layer.conv.stride, layer.conv.pad, layer.static["relu"])
+
+
+def fuse_chains(seq: Sequence[Layer]) -> list[Layer]:
+    """``seq`` with every run of two or more consecutive `Conv2D` / `ConvBN` layers as one `Chain`."""
+    out: list[Layer] = []
+    run: list[Layer] = []
+    for layer in [*seq, None]:
+        if isinstance(layer, (Conv2D, ConvBN)):
+            run.append(layer)
+            continue
+        out.extend([Chain(run)] if len(run) > 1 else run)
+        run = []
+        if layer is not None:
+            out.append(layer)
+    return out
+
+
 def fuse_conv_bn(seq: Sequence[Layer]) -> list[Layer]:
     """``seq`` with every convolution directly followed by a `BatchNorm` or `BNReLU` replaced by one `ConvBN`."""
     out, i = [], 0

@@ -14,8 +14,9 @@ Every batch norm followed by a ReLU is wired as one `layers.BNReLU`, and every r
 followed by a ReLU as one `layers.AddReLU`: one kernel each way instead of two, as XLA fuses them
 in a whole-jitted step.  ``recompute=True`` wires every batch norm, ReLU, convolution run as one
 `layers.BNReLUConv`, which recomputes the normalised activations in backward instead of keeping them.
-A convolution and the batch norm (+ ReLU) after it are one `layers.ConvBN`, and a DenseNet
-concatenation and the layer that reads it one `layers.ConcatBNReLU`.
+A convolution and the batch norm (+ ReLU) after it are one `layers.ConvBN`, runs of those and
+convolutions one `layers.Chain`, and a DenseNet concatenation and the layer that reads it one
+`layers.ConcatBNReLU`.
 Neither changes the weights or their initialisation: the layer list, and so the parameters, stay.
 """
 
@@ -31,7 +32,8 @@ from cachedarrays import CachedArray, Manager
 
 from .graph import Tape
 from .layers import (AddReLU, AvgPool, BatchNorm, BNReLU, BNReLUConv, Concat, ConcatBNReLU, Conv2D, Dense,
-                     GlobalAvgPool, Layer, MaxPool, ReLU, fuse_bn_relu, fuse_conv_bn, fuse_recomputed)
+                     GlobalAvgPool, Layer, MaxPool, ReLU, fuse_bn_relu, fuse_chains, fuse_conv_bn,
+                     fuse_recomputed)
 
 RESNET_BLOCKS = {50: [3, 4, 6, 3], 101: [3, 4, 23, 3], 152: [3, 8, 36, 3], 200: [3, 24, 36, 3]}
 DENSENET_BLOCKS = {121: [6, 12, 24, 16], 169: [6, 12, 32, 32], 201: [6, 12, 48, 32], 264: [6, 12, 64, 48]}
@@ -92,8 +94,9 @@ def _proportional(n: int, weights: list[int]) -> list[int]:
 
 def _fused(seq: list[Layer], recompute: bool) -> list[Layer]:
     """``seq`` as wired: batch norm, ReLU, convolution runs as one recomputing layer with ``recompute``,
-    then batch norm, ReLU pairs as one layer, then a convolution and the batch norm after it."""
-    return fuse_conv_bn(fuse_bn_relu(fuse_recomputed(seq) if recompute else seq))
+    then batch norm, ReLU pairs as one layer, then a convolution and the batch norm after it, then
+    runs of those and convolutions as one `Chain`."""
+    return fuse_chains(fuse_conv_bn(fuse_bn_relu(fuse_recomputed(seq) if recompute else seq)))
 
 
 def _stages_for(image: int, wanted: int) -> int:
