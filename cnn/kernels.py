@@ -139,13 +139,15 @@ def conv_bn_fwd(x, w, gamma, beta, *, stride: int, pad: int, relu: bool):
     return (z, *(bn_relu_fwd if relu else bn_fwd)(z, gamma, beta))
 
 
+def _bn_part_bwd(dy, z, gamma, beta, mean, rstd, relu: bool):
+    """(dz, dgamma, dbeta) of `conv_bn_fwd`'s batch norm (+ ReLU)."""
+    return bn_relu_bwd(dy, z, gamma, beta, mean, rstd) if relu else bn_bwd(dy, z, gamma, mean, rstd)
+
+
 @partial(jax.jit, static_argnames=("stride", "pad", "relu"))
 def conv_bn_bwd(dy, x, z, w, gamma, beta, mean, rstd, *, stride: int, pad: int, relu: bool):
     """(dx, dw, dgamma, dbeta) of `conv_bn_fwd`: the convolution's output gradient never leaves the kernel."""
-    if relu:
-        dz, dgamma, dbeta = bn_relu_bwd(dy, z, gamma, beta, mean, rstd)
-    else:
-        dz, dgamma, dbeta = bn_bwd(dy, z, gamma, mean, rstd)
+    dz, dgamma, dbeta = _bn_part_bwd(dy, z, gamma, beta, mean, rstd, relu)
     _, pull = jax.vjp(lambda a, b: _conv(a, b, stride, pad), x, w)
     dx, dw = pull(dz)
     return dx, dw, dgamma, dbeta
@@ -154,10 +156,7 @@ def conv_bn_bwd(dy, x, z, w, gamma, beta, mean, rstd, *, stride: int, pad: int, 
 @partial(jax.jit, static_argnames=("stride", "pad", "relu"))
 def conv_bn_bwd_weights(dy, x, z, w, gamma, beta, mean, rstd, *, stride: int, pad: int, relu: bool):
     """(dw, dgamma, dbeta): `conv_bn_bwd` for a convolution whose input needs no gradient."""
-    if relu:
-        dz, dgamma, dbeta = bn_relu_bwd(dy, z, gamma, beta, mean, rstd)
-    else:
-        dz, dgamma, dbeta = bn_bwd(dy, z, gamma, mean, rstd)
+    dz, dgamma, dbeta = _bn_part_bwd(dy, z, gamma, beta, mean, rstd, relu)
     _, pull = jax.vjp(lambda b: _conv(x, b, stride, pad), w)
     return pull(dz)[0], dgamma, dbeta
 

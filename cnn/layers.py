@@ -292,44 +292,34 @@ def fuse_chains(seq: Sequence[Layer]) -> list[Layer]:
     return out
 
 
-def fuse_conv_bn(seq: Sequence[Layer]) -> list[Layer]:
-    """``seq`` with every convolution directly followed by a `BatchNorm` or `BNReLU` replaced by one `ConvBN`."""
-    out, i = [], 0
+def _fuse(seq: Sequence[Layer], pattern: tuple, make) -> list[Layer]:
+    """``seq`` with every run of consecutive layers that are instances of ``pattern``'s types, in
+    order, replaced by ``make(*run)``."""
+    out, i, n = [], 0, len(pattern)
     while i < len(seq):
-        if i + 1 < len(seq) and isinstance(seq[i], Conv2D) and isinstance(seq[i + 1], (BatchNorm, BNReLU)):
-            out.append(ConvBN(seq[i], seq[i + 1]))
-            i += 2
+        run = seq[i:i + n]
+        if len(run) == n and all(isinstance(layer, kinds) for layer, kinds in zip(run, pattern)):
+            out.append(make(*run))
+            i += n
         else:
             out.append(seq[i])
             i += 1
     return out
+
+
+def fuse_conv_bn(seq: Sequence[Layer]) -> list[Layer]:
+    """``seq`` with every convolution directly followed by a `BatchNorm` or `BNReLU` replaced by one `ConvBN`."""
+    return _fuse(seq, (Conv2D, (BatchNorm, BNReLU)), ConvBN)
 
 
 def fuse_recomputed(seq: Sequence[Layer]) -> list[Layer]:
     """``seq`` with every batch norm, ReLU, convolution run replaced by one `BNReLUConv`."""
-    out, i = [], 0
-    while i < len(seq):
-        if (i + 2 < len(seq) and isinstance(seq[i], BatchNorm) and isinstance(seq[i + 1], ReLU)
-                and isinstance(seq[i + 2], Conv2D)):
-            out.append(BNReLUConv(seq[i], seq[i + 2]))
-            i += 3
-        else:
-            out.append(seq[i])
-            i += 1
-    return out
+    return _fuse(seq, (BatchNorm, ReLU, Conv2D), lambda bn, relu, conv: BNReLUConv(bn, conv))
 
 
 def fuse_bn_relu(seq: Sequence[Layer]) -> list[Layer]:
     """``seq`` with every batch norm directly followed by a ReLU replaced by one `BNReLU`."""
-    out, i = [], 0
-    while i < len(seq):
-        if i + 1 < len(seq) and isinstance(seq[i], BatchNorm) and isinstance(seq[i + 1], ReLU):
-            out.append(BNReLU(seq[i]))
-            i += 2
-        else:
-            out.append(seq[i])
-            i += 1
-    return out
+    return _fuse(seq, (BatchNorm, ReLU), lambda bn, relu: BNReLU(bn))
 
 
 class ReLU(Layer):
