@@ -23,10 +23,12 @@ from .execute import Executor
 class SGD:
     """``SGD(params, lr, momentum=0.0)``; `step` takes ``[(param, grad), ...]`` from `Tape.backward`.
 
-    Parameters are updated in groups, one kernel per group: consecutive parameters whose bytes
-    together stay within the largest parameter's (so no group's operands outgrow the largest
-    single update's, and the smallest workable budget stays what it was), since one dispatch
-    per tensor cost more host time than the update itself for the many small batch-norm vectors."""
+    Parameters are updated in groups, one kernel per group, since one dispatch per tensor cost
+    more host time than the update itself for the many small batch-norm vectors: consecutive
+    parameters whose operands (weights, gradients and momenta) together stay within the largest
+    working set a kernel of the step has had so far (`KernelStats.max_working_set`), or the
+    largest parameter's bytes where that is more.  So no group's operands outgrow the step's
+    largest kernel's, and the smallest workable budget stays what the model's kernels make it."""
 
     def __init__(self, params: Sequence[CachedArray], lr: float = 0.05, momentum: float = 0.0):
         self.lr = np.float32(lr)
@@ -39,13 +41,14 @@ class SGD:
                 v[...] = 0
                 self.state[p.object.id] = v
 
-    def groups(self, pgrads: Sequence[tuple[CachedArray, CachedArray]]) -> list[list[tuple]]:
-        """``pgrads`` cut into runs of consecutive pairs of at most ``group_bytes`` parameter bytes
-        (a larger parameter alone)."""
+    def groups(self, pgrads: Sequence[tuple[CachedArray, CachedArray]], limit: int = 0) -> list[list[tuple]]:
+        """``pgrads`` cut into runs of consecutive pairs of at most ``limit`` parameter bytes, or
+        ``group_bytes`` where that is more (a larger parameter alone)."""
+        limit = max(limit, self.group_bytes)
         out: list[list[tuple]] = []
         size = 0
         for pair in pgrads:
-            if not out or size + pair[0].nbytes > self.group_bytes:
+            if not out or size + pair[0].nbytes > limit:
                 out.append([])
                 size = 0
             out[-1].append(pair)
@@ -54,7 +57,8 @@ class SGD:
 
     def step(self, ex: Executor, ann: Annotations, pgrads: Sequence[tuple[CachedArray, CachedArray]]) -> None:
         """Update every parameter from its gradient; the gradients are freed afterwards (in mode M)."""
-        for group in self.groups(pgrads):
+        operands = 3 if self.state else 2  # bytes of operands a parameter byte brings to its group's kernel
+        for group in self.groups(pgrads, ex.stats.max_working_set // operands):
             ps = [p for p, _ in group]
             gs = [g for _, g in group]
             vs = [self.state.get(p.object.id) for p in ps]

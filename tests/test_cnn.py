@@ -703,3 +703,27 @@ def test_output_bytes_count_what_fused_layers_make_inside_as_the_separate_layers
     monkeypatch.setattr(models, "fuse_conv_bn", list)
     monkeypatch.setattr(models, "fuse_chains", list)
     assert output_bytes(build(family, manager, depth=depth, width=4, image=16, classes=10), 3) == fused
+
+
+@pytest.mark.parametrize("family", ["resnet", "densenet"])
+def test_sgd_groups_as_large_as_the_largest_kernel_keep_the_smallest_budget(family, monkeypatch):
+    """SGD groups parameters up to the step's largest kernel working set: fewer update kernels, and
+    the smallest workable budget (that largest working set) stays what the model's kernels make it."""
+    from cnn.optim import SGD
+    from cnn.trainer import Session
+
+    def kernels(fp):
+        s = Session(TINY[family], "dram", None, fp)
+        try:
+            s.step(0)
+            return s.trainer.ex.stats.calls
+        finally:
+            s.close()
+
+    fp = footprint(family)
+    grouped = kernels(fp)
+    by_parameter = SGD.groups
+    monkeypatch.setattr(SGD, "groups", lambda self, pgrads, limit=0: by_parameter(self, pgrads))
+    small = measure_footprint(TINY[family])
+    assert small.min_budget == fp.min_budget and small.footprint == fp.footprint
+    assert kernels(small) > grouped

@@ -177,3 +177,6 @@ def test_sgd_groups_stay_within_the_largest_parameter_and_match_single_updates()
             assert np.asarray(p).tobytes() == np.asarray(want_w).tobytes()
             assert np.asarray(opt.state[p.object.id]).tobytes() == np.asarray(want_v).tobytes()
         assert ex.stats.calls == 3
+        assert [len(g) for g in opt.groups(pgrads, 30 * 4)] == [3, 1, 3]  # below the largest parameter: as before
+        assert [len(g) for g in opt.groups(pgrads, 146 * 4)] == [7]  # a kernel's working set takes them all
+        assert [len(g) for g in opt.groups(pgrads, 145 * 4)] == [6, 1]
