@@ -68,17 +68,19 @@ def dense_bwd(dy, x, w):
 # ---------------------------------------------------------------- batch normalisation (training statistics)
 @jax.jit
 def bn_fwd(x, gamma, beta):
-    """(y, mean, rstd): normalise over N, H, W with batch statistics; mean and rstd are saved for backward."""
+    """(y, stats): normalise over N, H, W with batch statistics; ``stats`` (saved for backward) holds
+    the mean and 1/std as its two rows, one object where two would each cost a store and a view."""
     mean = x.mean(axis=(0, 1, 2))
     var = jnp.square(x - mean).mean(axis=(0, 1, 2))
     rstd = lax.rsqrt(var + EPS)
-    return (x - mean) * (rstd * gamma) + beta, mean, rstd
+    return (x - mean) * (rstd * gamma) + beta, jnp.stack([mean, rstd])
 
 
 @jax.jit
-def bn_bwd(dy, x, gamma, mean, rstd):
+def bn_bwd(dy, x, gamma, stats):
     """(dx, dgamma, dbeta); xhat is recomputed element-wise from the saved input and statistics."""
     n = x.shape[0] * x.shape[1] * x.shape[2]
+    mean, rstd = stats[0], stats[1]
     xhat = (x - mean) * rstd
     dbeta = dy.sum(axis=(0, 1, 2))
     dgamma = (dy * xhat).sum(axis=(0, 1, 2))
@@ -89,17 +91,17 @@ def bn_bwd(dy, x, gamma, mean, rstd):
 # ---------------------------------------------------------------- batch norm then ReLU, and residual add then ReLU
 @jax.jit
 def bn_relu_fwd(x, gamma, beta):
-    """(relu(bn(x)), mean, rstd): the batch norm's output never leaves the kernel."""
-    y, mean, rstd = bn_fwd(x, gamma, beta)
-    return jnp.maximum(y, 0), mean, rstd
+    """(relu(bn(x)), stats): the batch norm's output never leaves the kernel."""
+    y, stats = bn_fwd(x, gamma, beta)
+    return jnp.maximum(y, 0), stats
 
 
 @jax.jit
-def bn_relu_bwd(dy, x, gamma, beta, mean, rstd):
+def bn_relu_bwd(dy, x, gamma, beta, stats):
     """(dx, dgamma, dbeta) through the ReLU and the batch norm; the ReLU's mask is recomputed from the
     saved input and statistics (element-wise), so the kernel reads two activations, as `bn_bwd` does."""
-    mask = _bn_apply(x, gamma, beta, mean, rstd) > 0
-    return bn_bwd(jnp.where(mask, dy, 0), x, gamma, mean, rstd)
+    mask = _bn_apply(x, gamma, beta, stats) > 0
+    return bn_bwd(jnp.where(mask, dy, 0), x, gamma, stats)
 
 
 @jax.jit
@@ -108,55 +110,55 @@ def add_relu_fwd(a, b):
 
 
 # ---------------------------------------------------------------- batch norm, ReLU and convolution, recomputed
-def _bn_apply(x, gamma, beta, mean, rstd):
-    return (x - mean) * (rstd * gamma) + beta  # bn_fwd's output, operation for operation
+def _bn_apply(x, gamma, beta, stats):
+    return (x - stats[0]) * (stats[1] * gamma) + beta  # bn_fwd's output, operation for operation
 
 
 @partial(jax.jit, static_argnames=("stride", "pad"))
 def bn_relu_conv_fwd(x, gamma, beta, w, *, stride: int, pad: int):
-    """(conv(relu(bn(x))), mean, rstd): the normalised activations never leave the kernel."""
-    y, mean, rstd = bn_fwd(x, gamma, beta)
-    return _conv(jnp.maximum(y, 0), w, stride, pad), mean, rstd
+    """(conv(relu(bn(x))), stats): the normalised activations never leave the kernel."""
+    y, stats = bn_fwd(x, gamma, beta)
+    return _conv(jnp.maximum(y, 0), w, stride, pad), stats
 
 
 @partial(jax.jit, static_argnames=("stride", "pad"))
-def bn_relu_conv_bwd(dz, x, gamma, beta, w, mean, rstd, *, stride: int, pad: int):
+def bn_relu_conv_bwd(dz, x, gamma, beta, w, stats, *, stride: int, pad: int):
     """(dx, dgamma, dbeta, dw), recomputing relu(bn(x)) from the saved input and statistics (the same
     values the forward pass made) instead of reading them back."""
-    h = jnp.maximum(_bn_apply(x, gamma, beta, mean, rstd), 0)
+    h = jnp.maximum(_bn_apply(x, gamma, beta, stats), 0)
     _, pull = jax.vjp(lambda a, b: _conv(a, b, stride, pad), h, w)
     dh, dw = pull(dz)
-    dx, dgamma, dbeta = bn_bwd(jnp.where(h > 0, dh, 0), x, gamma, mean, rstd)
+    dx, dgamma, dbeta = bn_bwd(jnp.where(h > 0, dh, 0), x, gamma, stats)
     return dx, dgamma, dbeta, dw
 
 
 # ---------------------------------------------------------------- convolution, then batch norm (and ReLU)
 @partial(jax.jit, static_argnames=("stride", "pad", "relu"))
 def conv_bn_fwd(x, w, gamma, beta, *, stride: int, pad: int, relu: bool):
-    """(z, y, mean, rstd): the convolution's output z (the batch norm's saved input) and
+    """(z, y, stats): the convolution's output z (the batch norm's saved input) and
     `bn_relu_fwd` (``relu``) or `bn_fwd` of it."""
     z = _conv(x, w, stride, pad)
     return (z, *(bn_relu_fwd if relu else bn_fwd)(z, gamma, beta))
 
 
-def _bn_part_bwd(dy, z, gamma, beta, mean, rstd, relu: bool):
+def _bn_part_bwd(dy, z, gamma, beta, stats, relu: bool):
     """(dz, dgamma, dbeta) of `conv_bn_fwd`'s batch norm (+ ReLU)."""
-    return bn_relu_bwd(dy, z, gamma, beta, mean, rstd) if relu else bn_bwd(dy, z, gamma, mean, rstd)
+    return bn_relu_bwd(dy, z, gamma, beta, stats) if relu else bn_bwd(dy, z, gamma, stats)
 
 
 @partial(jax.jit, static_argnames=("stride", "pad", "relu"))
-def conv_bn_bwd(dy, x, z, w, gamma, beta, mean, rstd, *, stride: int, pad: int, relu: bool):
+def conv_bn_bwd(dy, x, z, w, gamma, beta, stats, *, stride: int, pad: int, relu: bool):
     """(dx, dw, dgamma, dbeta) of `conv_bn_fwd`: the convolution's output gradient never leaves the kernel."""
-    dz, dgamma, dbeta = _bn_part_bwd(dy, z, gamma, beta, mean, rstd, relu)
+    dz, dgamma, dbeta = _bn_part_bwd(dy, z, gamma, beta, stats, relu)
     _, pull = jax.vjp(lambda a, b: _conv(a, b, stride, pad), x, w)
     dx, dw = pull(dz)
     return dx, dw, dgamma, dbeta
 
 
 @partial(jax.jit, static_argnames=("stride", "pad", "relu"))
-def conv_bn_bwd_weights(dy, x, z, w, gamma, beta, mean, rstd, *, stride: int, pad: int, relu: bool):
+def conv_bn_bwd_weights(dy, x, z, w, gamma, beta, stats, *, stride: int, pad: int, relu: bool):
     """(dw, dgamma, dbeta): `conv_bn_bwd` for a convolution whose input needs no gradient."""
-    dz, dgamma, dbeta = _bn_part_bwd(dy, z, gamma, beta, mean, rstd, relu)
+    dz, dgamma, dbeta = _bn_part_bwd(dy, z, gamma, beta, stats, relu)
     _, pull = jax.vjp(lambda b: _conv(x, b, stride, pad), w)
     return pull(dz)[0], dgamma, dbeta
 
@@ -170,8 +172,8 @@ def _member_fwd(sig: tuple, x, params):
     """(y, saved) of one member: what `layers.Conv2D` / `layers.ConvBN` compute and save."""
     if sig[0] == "conv":
         return _conv(x, params[0], sig[1], sig[2]), (x,)
-    z, y, mean, rstd = conv_bn_fwd(x, *params, stride=sig[1], pad=sig[2], relu=sig[3])
-    return y, (x, z, mean, rstd)
+    z, y, stats = conv_bn_fwd(x, *params, stride=sig[1], pad=sig[2], relu=sig[3])
+    return y, (x, z, stats)
 
 
 def _member_bwd(sig: tuple, dy, saved, params, need_dx: bool):
@@ -219,7 +221,7 @@ def chain_kernels(sigs: tuple) -> tuple:
         flat, params = (x, *rest[:len(rest) - sum(counts)]), rest[len(rest) - sum(counts):]
         saved, i = [], 0
         for sig in sigs:
-            n = 1 if sig[0] == "conv" else 4
+            n = 1 if sig[0] == "conv" else 3
             saved.append(flat[i:i + n])
             i += n
         dps = []
@@ -318,7 +320,7 @@ def _split(dy, sizes: tuple) -> tuple:
 @partial(jax.jit, static_argnames=("n", "stride", "pad"))
 def concat_bn_relu_fwd(*args, n: int, stride: int = 0, pad: int = 0):
     """``args`` = (x1..xn, gamma, beta[, w]): the concatenation h of x1..xn (saved for backward) and
-    `bn_relu_fwd` of it, or `bn_relu_conv_fwd` where a filter ``w`` follows: (h, y, mean, rstd)."""
+    `bn_relu_fwd` of it, or `bn_relu_conv_fwd` where a filter ``w`` follows: (h, y, stats)."""
     h = jnp.concatenate(args[:n], axis=-1)
     rest = args[n:]
     out = bn_relu_fwd(h, *rest) if len(rest) == 2 else bn_relu_conv_fwd(h, *rest, stride=stride, pad=pad)
@@ -327,10 +329,10 @@ def concat_bn_relu_fwd(*args, n: int, stride: int = 0, pad: int = 0):
 
 @partial(jax.jit, static_argnames=("sizes", "stride", "pad"))
 def bn_relu_split_bwd(dy, h, gamma, beta, *rest, sizes: tuple, stride: int = 0, pad: int = 0):
-    """`bn_relu_bwd` (``rest`` = mean, rstd) or `bn_relu_conv_bwd` (``rest`` = w, mean, rstd) of
+    """`bn_relu_bwd` (``rest`` = stats) or `bn_relu_conv_bwd` (``rest`` = w, stats) of
     `concat_bn_relu_fwd`, the input's gradient split back into the concatenated tensors' channels:
     (dx1..dxn, dgamma, dbeta[, dw])."""
-    if len(rest) == 2:
+    if len(rest) == 1:
         dh, *dparams = bn_relu_bwd(dy, h, gamma, beta, *rest)
     else:
         dh, *dparams = bn_relu_conv_bwd(dy, h, gamma, beta, *rest, stride=stride, pad=pad)

@@ -101,7 +101,7 @@ class Dense(Layer):
 
 
 class BatchNorm(Layer):
-    """Batch normalisation over N, H, W with batch statistics (saved: input, mean, 1/std)."""
+    """Batch normalisation over N, H, W with batch statistics (saved: the input and its mean and 1/std as one array)."""
 
     adds_into = True
 
@@ -110,12 +110,12 @@ class BatchNorm(Layer):
         self.params = (_param(m, np.ones(channels, np.float32)), _param(m, np.zeros(channels, np.float32)))
 
     def forward(self, ex, x):
-        y, mean, rstd = ex.call(K.bn_fwd, (x, *self.params))
-        return y, (x, mean, rstd)
+        y, stats = ex.call(K.bn_fwd, (x, *self.params))
+        return y, (x, stats)
 
     def backward(self, ex, dy, saved, need, into=()):
-        x, mean, rstd = saved
-        dx, dgamma, dbeta = ex.call(K.bn_bwd, (dy, x, self.params[0], mean, rstd), into=(_first(into), None, None))
+        x, stats = saved
+        dx, dgamma, dbeta = ex.call(K.bn_bwd, (dy, x, self.params[0], stats), into=(_first(into), None, None))
         return (dx,), (dgamma, dbeta)
 
 
@@ -134,12 +134,12 @@ class BNReLU(Layer):
         self.name = f"{bn.name}+relu"
 
     def forward(self, ex, x):
-        y, mean, rstd = ex.call(K.bn_relu_fwd, (x, *self.params))
-        return y, (x, mean, rstd)
+        y, stats = ex.call(K.bn_relu_fwd, (x, *self.params))
+        return y, (x, stats)
 
     def backward(self, ex, dy, saved, need, into=()):
-        x, mean, rstd = saved
-        dx, dgamma, dbeta = ex.call(K.bn_relu_bwd, (dy, x, *self.params, mean, rstd),
+        x, stats = saved
+        dx, dgamma, dbeta = ex.call(K.bn_relu_bwd, (dy, x, *self.params, stats),
                                     into=(_first(into), None, None))
         return (dx,), (dgamma, dbeta)
 
@@ -175,12 +175,12 @@ class BNReLUConv(Layer):
         self.name = f"{bn.name}+relu+{conv.name}"
 
     def forward(self, ex, x):
-        z, mean, rstd = ex.call(K.bn_relu_conv_fwd, (x, *self.params), stride=self.conv.stride, pad=self.conv.pad)
-        return z, (x, mean, rstd)
+        z, stats = ex.call(K.bn_relu_conv_fwd, (x, *self.params), stride=self.conv.stride, pad=self.conv.pad)
+        return z, (x, stats)
 
     def backward(self, ex, dz, saved, need, into=()):
-        x, mean, rstd = saved
-        dx, dgamma, dbeta, dw = ex.call(K.bn_relu_conv_bwd, (dz, x, *self.params, mean, rstd),
+        x, stats = saved
+        dx, dgamma, dbeta, dw = ex.call(K.bn_relu_conv_bwd, (dz, x, *self.params, stats),
                                         into=(_first(into), None, None, None),
                                         stride=self.conv.stride, pad=self.conv.pad)
         return (dx,), (dgamma, dbeta, dw)
@@ -203,14 +203,14 @@ class ConcatBNReLU(Layer):
         self.static = {} if conv is None else {"stride": conv.stride, "pad": conv.pad}
 
     def forward(self, ex, *xs):
-        h, y, mean, rstd = ex.call(K.concat_bn_relu_fwd, (*xs, *self.params), n=len(xs), **self.static)
-        return y, (h, mean, rstd, tuple(x.shape[-1] for x in xs))
+        h, y, stats = ex.call(K.concat_bn_relu_fwd, (*xs, *self.params), n=len(xs), **self.static)
+        return y, (h, stats, tuple(x.shape[-1] for x in xs))
 
     def backward(self, ex, dy, saved, need, into=()):
-        h, mean, rstd, sizes = saved
+        h, stats, sizes = saved
         bn = self.params[:2]
         n = len(sizes)
-        outs = ex.call(K.bn_relu_split_bwd, (dy, h, *bn, *self.params[2:], mean, rstd),
+        outs = ex.call(K.bn_relu_split_bwd, (dy, h, *bn, *self.params[2:], stats),
                        into=tuple(into or (None,) * n) + (None,) * len(self.params), sizes=sizes, **self.static)
         return outs[:n], outs[n:]
 
@@ -230,16 +230,16 @@ class ConvBN(Layer):
         self.static = {"stride": conv.stride, "pad": conv.pad, "relu": isinstance(bn, BNReLU)}
 
     def forward(self, ex, x):
-        z, y, mean, rstd = ex.call(K.conv_bn_fwd, (x, *self.params), **self.static)
-        return y, (x, z, mean, rstd)
+        z, y, stats = ex.call(K.conv_bn_fwd, (x, *self.params), **self.static)
+        return y, (x, z, stats)
 
     def backward(self, ex, dy, saved, need, into=()):
-        x, z, mean, rstd = saved
+        x, z, stats = saved
         if need[0]:
-            dx, *dps = ex.call(K.conv_bn_bwd, (dy, x, z, *self.params, mean, rstd),
+            dx, *dps = ex.call(K.conv_bn_bwd, (dy, x, z, *self.params, stats),
                                into=(_first(into), None, None, None), **self.static)
             return (dx,), tuple(dps)
-        return (None,), ex.call(K.conv_bn_bwd_weights, (dy, x, z, *self.params, mean, rstd), **self.static)
+        return (None,), ex.call(K.conv_bn_bwd_weights, (dy, x, z, *self.params, stats), **self.static)
 
 
 class Chain(Layer):
