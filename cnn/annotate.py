@@ -6,10 +6,10 @@ freed at once), then `softevict` inputs and weights: they are the first to go
 if room is needed before the backward pass wants them again.
 
 Backward: prefetch what the backward kernel reads (saved activations, the
-incoming gradient, the weights, the gradients it adds into), run it under `noescape`, then `cleanup` what
-is now dead — the layer's output, its saved activations and the incoming
-gradient — `preserve`-ing the layer's inputs, weights and every gradient still
-wanted.  In reverse topological order a tensor's producer runs its backward
+incoming gradient, the weights, the gradients it adds into), run it under
+`noescape`, then `cleanup` what is now dead — the layer's output, its saved
+activations and the incoming gradient — `preserve`-ing the layer's inputs,
+weights and every gradient still wanted.  In reverse topological order a tensor's producer runs its backward
 after all its consumers, so freeing the producer's output there is safe for any
 data flow, residual and dense blocks included.  With ``granularity="block"``
 the cleanup of nodes inside a block (a tape scope) is deferred until the whole

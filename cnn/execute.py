@@ -33,6 +33,9 @@ then; the same bytes as its region, as nothing but the executor writes an object
 kernels), so the common chain of one layer feeding the next costs no import and no
 cross-stream wait.
 
+A kernel's output may be added into an existing object instead of stored (`Executor.call`'s
+``into``: a gradient summed over a tensor's uses), the sum computed in the kernel's own program.
+
 The executor also counts where the kernels' operands lived (fast or slow) when
 they were touched, because a kernel reading or writing the slow device directly
 is traffic the manager's copy counters do not see.
@@ -425,8 +428,8 @@ def accumulating(kernel: Callable, mask: tuple[bool, ...], static: tuple[str, ..
     if fused is None:
         n = sum(mask)
 
-        def fused(*arrays, **static):
-            out = kernel(*arrays[n:], **static)
+        def fused(*arrays, **keywords):
+            out = kernel(*arrays[n:], **keywords)
             outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
             if len(outs) != len(mask):
                 raise ValueError(f"into= has {len(mask)} entries for a kernel with {len(outs)} outputs")
