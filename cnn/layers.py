@@ -208,9 +208,8 @@ class ConcatBNReLU(Layer):
 
     def backward(self, ex, dy, saved, need, into=()):
         h, stats, sizes = saved
-        bn = self.params[:2]
         n = len(sizes)
-        outs = ex.call(K.bn_relu_split_bwd, (dy, h, *bn, *self.params[2:], stats),
+        outs = ex.call(K.bn_relu_split_bwd, (dy, h, *self.params, stats),
                        into=tuple(into or (None,) * n) + (None,) * len(self.params), sizes=sizes, **self.static)
         return outs[:n], outs[n:]
 
