@@ -164,8 +164,9 @@ def conv_bn_bwd_weights(dy, x, z, w, gamma, beta, stats, *, stride: int, pad: in
 
 
 # ---------------------------------------------------------------- chains of one-input layers
-# A member of a chain by its signature: ("conv", stride, pad) or ("conv_bn", stride, pad, relu).
-_PARAMS = {"conv": 1, "conv_bn": 3}
+# A member of a chain by its signature: ("conv", stride, pad) or ("conv_bn", stride, pad, relu),
+# and how many parameters it takes and tensors it saves.
+_COUNTS = {"conv": (1, 1), "conv_bn": (3, 3)}
 
 
 def _member_fwd(sig: tuple, x, params):
@@ -191,6 +192,15 @@ def _member_bwd(sig: tuple, dy, saved, params, need_dx: bool):
     return None, tuple(conv_bn_bwd_weights(dy, *saved[:2], *params, *saved[2:], **static))
 
 
+def _cut(flat: tuple, sizes: list[int]) -> list[tuple]:
+    """``flat`` cut into consecutive pieces of ``sizes``."""
+    out, i = [], 0
+    for n in sizes:
+        out.append(flat[i:i + n])
+        i += n
+    return out
+
+
 _CHAINS: dict = {}
 
 
@@ -201,32 +211,22 @@ def chain_kernels(sigs: tuple) -> tuple:
     backward(dy, x, *saved, *params) = (dx, *dparams); the third returns dparams only."""
     if sigs in _CHAINS:
         return _CHAINS[sigs]
-    counts = [_PARAMS[sig[0]] for sig in sigs]
-
-    def split(params):
-        out, i = [], 0
-        for n in counts:
-            out.append(params[i:i + n])
-            i += n
-        return out
+    nparams = [_COUNTS[sig[0]][0] for sig in sigs]
+    nsaved = [_COUNTS[sig[0]][1] for sig in sigs]
 
     def forward(x, *params):
         saved = []
-        for sig, ps in zip(sigs, split(params)):
+        for sig, ps in zip(sigs, _cut(params, nparams)):
             x, s = _member_fwd(sig, x, ps)
-            saved.append(s)
-        return (x, *[t for s in saved for t in s][1:])
+            saved.extend(s)
+        return (x, *saved[1:])
 
-    def backward(need_dx, dy, x, *rest):
-        flat, params = (x, *rest[:len(rest) - sum(counts)]), rest[len(rest) - sum(counts):]
-        saved, i = [], 0
-        for sig in sigs:
-            n = 1 if sig[0] == "conv" else 3
-            saved.append(flat[i:i + n])
-            i += n
+    def backward(need_dx, dy, *rest):
+        saved = _cut(rest[:sum(nsaved)], nsaved)
+        params = _cut(rest[sum(nsaved):], nparams)
         dps = []
         for k in range(len(sigs) - 1, -1, -1):
-            dy, d = _member_bwd(sigs[k], dy, saved[k], split(params)[k], need_dx or k > 0)
+            dy, d = _member_bwd(sigs[k], dy, saved[k], params[k], need_dx or k > 0)
             dps.append(d)
         return (*((dy,) if need_dx else ()), *[t for d in reversed(dps) for t in d])
 
