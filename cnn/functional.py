@@ -43,15 +43,8 @@ def apply(layer: Layer, params: tuple, xs: list):
     """``layer``'s forward output on JAX values ``xs`` with weights ``params`` (the kernels' maths)."""
     if isinstance(layer, ConcatBNReLU):
         return apply(layer.inner, params, [K.concat_fwd(*xs)])
-    if isinstance(layer, Chain):
-        x, i = xs[0], 0
-        for member in layer.layers:
-            n = len(member.params)
-            x, i = apply(member, params[i:i + n], [x]), i + n
-        return x
-    if isinstance(layer, ConvBN):
-        n = len(layer.conv.params)
-        return apply(layer.bn, params[n:], [apply(layer.conv, params[:n], xs)])
+    if isinstance(layer, (Chain, ConvBN)):
+        return _sequence(layer, params, xs[0])[-1][3]
     if isinstance(layer, Conv2D):
         return K._conv(xs[0], params[0], layer.stride, layer.pad)
     if isinstance(layer, BNReLUConv):
@@ -206,23 +199,26 @@ def initial_state(model: Model, device=None) -> tuple[list, list]:
     return params, [jnp.zeros_like(p) for p in params]
 
 
+def _sequence(layer: "Chain | ConvBN", params: tuple, x) -> list[tuple]:
+    """``(member, its params, its input, its output)`` for each of ``layer``'s members, in order."""
+    steps, i = [], 0
+    for member in layer.layers:
+        n = len(member.params)
+        y = apply(member, params[i:i + n], [x])
+        steps.append((member, params[i:i + n], x, y))
+        x, i = y, i + n
+    return steps
+
+
 def _inner_bytes(layer: Layer, params: tuple, xs: list) -> list[int]:
     """Bytes of the outputs fused ``layer`` makes inside, as the separate layers would store them."""
-    if isinstance(layer, ConvBN):  # the convolution's output, the shape of the batch norm's
-        y = apply(layer, params, xs)
-        return [y.size * y.dtype.itemsize]
     if isinstance(layer, ConcatBNReLU):
         return [sum(x.size * x.dtype.itemsize for x in xs)]
-    if isinstance(layer, Chain):
-        out, x, i = [], xs[0], 0
-        for k, member in enumerate(layer.layers):
-            n = len(member.params)
-            out += _inner_bytes(member, params[i:i + n], [x])
-            x, i = apply(member, params[i:i + n], [x]), i + n
-            if k < len(layer.layers) - 1:  # each member's output but the last, which is the chain's
-                out.append(x.size * x.dtype.itemsize)
-        return out
-    return []
+    if not isinstance(layer, (Chain, ConvBN)):
+        return []
+    steps = _sequence(layer, params, xs[0])
+    return ([b for member, ps, x, _ in steps for b in _inner_bytes(member, ps, [x])]
+            + [y.size * y.dtype.itemsize for *_, y in steps[:-1]])  # every member's output but the layer's
 
 
 def output_bytes(model: Model, batch: int) -> int:

@@ -223,6 +223,7 @@ class ConvBN(Layer):
 
     def __init__(self, conv: Conv2D, bn: "BatchNorm | BNReLU"):
         self.conv, self.bn = conv, bn
+        self.layers = (conv, bn)  # in the order they apply, as `Chain`'s
         self.parts = (conv, *getattr(bn, "parts", (bn,)))
         self.params = conv.params + bn.params
         self.name = f"{conv.name}+{bn.name}"
