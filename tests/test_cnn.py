@@ -727,3 +727,23 @@ def test_sgd_groups_as_large_as_the_largest_kernel_keep_the_smallest_budget(fami
     small = measure_footprint(TINY[family])
     assert small.min_budget == fp.min_budget and small.footprint == fp.footprint
     assert kernels(small) > grouped
+
+
+def test_batch_norm_kernels_save_the_batch_statistics_as_one_array_and_normalise_with_them():
+    """`bn_fwd` against numpy (the other kernel tests compare our kernels with each other or with
+    autodiff of them): rows 0 and 1 of the saved statistics are the mean and 1/std over N, H, W,
+    and the backward kernels read the same rows."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 4, 5, 6)).astype(np.float32) * 3 + 1
+    gamma, beta = rng.standard_normal(6).astype(np.float32), rng.standard_normal(6).astype(np.float32)
+    y, stats = K.bn_fwd(x, gamma, beta)
+    mean, var = x.astype(np.float64).mean(axis=(0, 1, 2)), x.astype(np.float64).var(axis=(0, 1, 2))
+    np.testing.assert_allclose(np.asarray(stats), [mean, 1 / np.sqrt(var + K.EPS)], rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(y), (x - mean) / np.sqrt(var + K.EPS) * gamma + beta, rtol=1e-4, atol=1e-5)
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    _, pull = jax.vjp(lambda a, g, b: K.bn_fwd(a, g, b)[0], x, gamma, beta)
+    for got, want in zip(K.bn_bwd(dy, x, gamma, stats), pull(dy)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+    relu_y, relu_stats = K.bn_relu_fwd(x, gamma, beta)
+    np.testing.assert_array_equal(np.asarray(relu_stats), np.asarray(stats))
+    np.testing.assert_array_equal(np.asarray(relu_y), np.maximum(np.asarray(y), 0))
