@@ -18,6 +18,9 @@ import os
 # parallel kernel call; torch's too, in the same process); values the user set win.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("GOMP_SPINCOUNT", "3000")
+# JAX takes 75% of a GPU's memory when it starts on it, which a `GPU` heap (CuPy's allocation)
+# then cannot get; JAX allocating as it goes leaves the heap its share.  Read when JAX starts.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from .annotations import Preserved, cleanup, evict, noescape, onobjects, prefetch, preserve, softevict, unsafe_free
 from .array import (CachedArray, Status, assign, cuda_reachable, device_pointer, jax_array, readable, release,

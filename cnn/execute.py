@@ -60,6 +60,7 @@ _COPY = 4  # cudaMemcpyDefault: the direction from the addresses (GPU memory, pa
 # kernels whose outputs the next kernels read from their JAX values, their copies deferred: two, so
 # that a layer's second backward kernel (weights' gradient) reads the incoming gradient from it too
 FRESH_KERNELS = 2
+MIN_QUEUE = 256 << 20  # bytes of queued output copies the host may always run ahead by (`queue_limit`)
 KEEP_POLL = 8  # kept kernel outputs whose copies may have ended are looked at once every this many copies
 
 
@@ -109,8 +110,8 @@ class Executor:
         self._keep: collections.deque = collections.deque()  # (event, what it must outlive, bytes)
         self._keep_bytes = 0
         # outputs whose copies are still queued live in JAX's memory, outside the budget: the host may
-        # run this far ahead of the GPU before it waits for the oldest copy
-        self.ahead_bytes = max(256 << 20, self.manager.fast.capacity // 4)
+        # run this far ahead of the GPU before it waits for the oldest copy (`queue_limit`)
+        self.ahead_bytes = queue_limit(self.manager.fast) if self.gpu else 0
         self._ordered: tuple = ()  # the last kernel's outputs, which CuPy's stream waits for
         self._latest = None  # an output the last jitted kernel computed (marks where JAX's stream is)
         self._fresh: dict = {}  # object id -> (kernel number, the JAX value it stored), of the last kernels
@@ -413,6 +414,17 @@ class Executor:
             self._keep.clear()
             self._keep_bytes = 0
         self._fresh.clear()
+
+
+def queue_limit(fast: Any) -> int:
+    """Bytes of kernel outputs whose copies may be queued at once on the GPU ``fast``: half of the
+    device memory free outside its heap, at most the heap's capacity, at least `MIN_QUEUE`.
+
+    The queued outputs are what lets the host run ahead of the GPU: a DenseNet's first block
+    queues several GiB of copies within a few kernels, and a host that waits there leaves the GPU
+    without work later, where the kernels are short.  The memory they take is JAX's, so the limit
+    follows the memory free for it when the executor is made."""
+    return max(MIN_QUEUE, min(fast.capacity, fast.free_memory() // 2))
 
 
 _ACCUMULATING: dict = {}

@@ -94,6 +94,12 @@ class GPU(Device):
     def address(self, offset: int = 0) -> int:
         return self.buffer.data.ptr + offset
 
+    def free_memory(self) -> int:
+        """Bytes of this CUDA device's memory free now, outside every allocation (this heap's included)."""
+        cp = cupy()
+        with cp.cuda.Device(self.index):
+            return int(cp.cuda.runtime.memGetInfo()[0])
+
     def defragment(self, move_callback):
         cp = cupy()
 
