@@ -72,17 +72,26 @@ class Trainer:
         self.opt = SGD(self.model.params, cfg.lr, cfg.momentum)
         self.loss_layer = SoftmaxCrossEntropy()
         self.plan = plan_last_uses(self.model.forward, self.loss_layer)
+        self._batch: tuple[CachedArray, CachedArray] | None = None
         self.m.collect()
 
     def step(self, x_np: np.ndarray, y_np: np.ndarray) -> float:
-        """One training iteration (forward, backward, SGD); returns the loss before the update.
+        """One training iteration (forward, backward, SGD); returns the loss before the update."""
+        self.begin(x_np, y_np)
+        return self.run()
 
-        It starts by marking the iteration boundary for the policy (`Policy.mark_iteration`): a
-        policy that learns the order of uses (mode ``cap``) learns one step's and prefetches the next.
-        """
+    def begin(self, x_np: np.ndarray, y_np: np.ndarray) -> None:
+        """The start of an iteration: the boundary marked for the policy (`Policy.mark_iteration`: a
+        policy that learns the order of uses, mode ``cap``, learns one step's and prefetches the
+        next), then the batch placed as objects, which `run` trains on and frees."""
         self.m.policy.mark_iteration()
-        x = CachedArray(x_np, self.m)
-        y = CachedArray(y_np.astype(np.int32), self.m)
+        self._batch = (CachedArray(x_np, self.m), CachedArray(y_np.astype(np.int32), self.m))
+
+    def run(self) -> float:
+        """The rest of the iteration `begin` started; returns the loss before the update."""
+        if self._batch is None:
+            raise RuntimeError("Trainer.run trains on the batch of Trainer.begin, which was not called")
+        (x, y), self._batch = self._batch, None
         tape = Tape(self.ex, self.ann, self.plan)
         loss = tape(self.loss_layer, self.model.forward(tape, x), y)
         with readable(loss) as v:  # a copy read at the end: on a GPU reading it now would wait for the forward pass
@@ -254,9 +263,12 @@ class Session:
         batch = self.data(i)
         m.reset_telemetry()
         tr.ex.stats.reset()
-        t0 = time.perf_counter()
         try:
-            loss = tr.step(*batch)
+            # the clock starts with the batch in place, as whole-jit's does (benchmarks/gpu_cnn.py):
+            # on a GPU its upload from pageable host memory is synchronous
+            tr.begin(*batch)
+            t0 = time.perf_counter()
+            loss = tr.run()
         except OutOfMemoryError as e:
             raise BudgetTooSmallError(f"{self.mode} ran out of memory with a fast budget of {format_size(self.fast)} "
                                       f"(smallest that should work: {format_size(self.fp.min_budget)}): {e}") from e

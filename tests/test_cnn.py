@@ -481,6 +481,29 @@ def test_the_gpu_benchmark_names_the_traffic_no_policy_can_avoid():
     assert "no policy" not in line
 
 
+def test_a_step_split_at_the_placed_batch_trains_as_one_step():
+    """`Trainer.begin` places the batch and `Trainer.run` trains on it (a session starts its clock
+    between the two, with the batch in place as whole-jit's); together they are `Trainer.step`, and
+    `run` without a batch is a clear error that leaves the trainer usable."""
+    from cnn.data import synthetic_batch
+    from cnn.trainer import Session
+    cfg = Config(family="resnet", depth=8, width=4, batch=2, image=8)
+    fp = measure_footprint(cfg)
+    a, b = Session(cfg, "dram", None, fp), Session(cfg, "dram", None, fp)
+    try:
+        for i in range(3):
+            batch = synthetic_batch(i, cfg.batch, cfg.image, cfg.channels, cfg.classes, cfg.seed)
+            b.trainer.begin(*batch)
+            assert a.trainer.step(*batch) == b.trainer.run()
+            with pytest.raises(RuntimeError, match="Trainer.begin"):
+                b.trainer.run()
+        assert [a.step(i).loss for i in range(3, 5)] == [b.step(i).loss for i in range(3, 5)]
+        b.m.check()
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_recorded_step_replays_the_same_kernels_in_order_on_bare_arrays():
     """``Executor.tape`` records every kernel of a step; ``replay`` dispatches those kernels again,
     in order, on plain arrays of the recorded shapes and dtypes (the per-layer floor the GPU
