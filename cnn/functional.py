@@ -33,7 +33,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from . import kernels as K
 from .layers import (Add, AddReLU, AvgPool, BatchNorm, BNReLU, BNReLUConv, Chain, Concat, ConcatBNReLU, Conv2D,
-                     ConvBN, Dense, GlobalAvgPool, Layer, MaxPool, ReLU, SoftmaxCrossEntropy)
+                     ConvBN, Dense, GlobalAvgPool, Layer, MaxPool, ReLU, ResidualChain, SoftmaxCrossEntropy)
 from .models import Model
 
 VARIANTS = ("whole", "remat", "offload")
@@ -45,6 +45,8 @@ def apply(layer: Layer, params: tuple, xs: list):
         return apply(layer.inner, params, [K.concat_fwd(*xs)])
     if isinstance(layer, (Chain, ConvBN)):
         return _sequence(layer, params, xs[0])[-1][3]
+    if isinstance(layer, ResidualChain):  # the shortcut: the projection's output, or the block's input
+        return K.add_relu_fwd(apply(layer.chain, params, xs[:1]), xs[-1])
     if isinstance(layer, Conv2D):
         return K._conv(xs[0], params[0], layer.stride, layer.pad)
     if isinstance(layer, BNReLUConv):
@@ -214,6 +216,9 @@ def _inner_bytes(layer: Layer, params: tuple, xs: list) -> list[int]:
     """Bytes of the outputs fused ``layer`` makes inside, as the separate layers would store them."""
     if isinstance(layer, ConcatBNReLU):
         return [sum(x.size * x.dtype.itemsize for x in xs)]
+    if isinstance(layer, ResidualChain):  # the chain's inside and its output, which the addition reads
+        h = apply(layer.chain, params, xs[:1])
+        return _inner_bytes(layer.chain, params, xs[:1]) + [h.size * h.dtype.itemsize]
     if not isinstance(layer, (Chain, ConvBN)):
         return []
     steps = _sequence(layer, params, xs[0])

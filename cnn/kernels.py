@@ -204,36 +204,58 @@ def _cut(flat: tuple, sizes: list[int]) -> list[tuple]:
 _CHAINS: dict = {}
 
 
-def chain_kernels(sigs: tuple) -> tuple:
+def chain_kernels(sigs: tuple, residual: str | None = None) -> tuple:
     """Jitted (forward, backward, backward without the input's gradient) of a chain of members:
 
     forward(x, *params) = (y, *saved): every tensor the members save but the chain's input x;
-    backward(dy, x, *saved, *params) = (dx, *dparams); the third returns dparams only."""
-    if sigs in _CHAINS:
-        return _CHAINS[sigs]
+    backward(dy, x, *saved, *params) = (dx, *dparams); the third returns dparams only.
+
+    ``residual`` ("identity" or "projection"): the chain is a residual block's main path, and its
+    kernels also add the shortcut and apply the ReLU after the sum (`layers.ResidualChain`), so
+    the main path's output never leaves the kernel.  forward(x[, s], *params) =
+    (relu(chain(x) + shortcut), *saved), the shortcut being x itself or the projected s;
+    backward(dy, y, x, *saved, *params) = (dx[, ds], *dparams), the ReLU's mask taken from the
+    saved output y as `relu_bwd` does, and for "identity" dx holding both paths' gradients; the
+    third returns ([ds,] *dparams)."""
+    key = (sigs, residual)
+    if key in _CHAINS:
+        return _CHAINS[key]
+    if residual not in (None, "identity", "projection"):
+        raise ValueError(f"residual must be None, 'identity' or 'projection', got {residual!r}")
     nparams = [_COUNTS[sig[0]][0] for sig in sigs]
     nsaved = [_COUNTS[sig[0]][1] for sig in sigs]
+    extra = int(residual == "projection")  # the projected shortcut, an input of its own
 
-    def forward(x, *params):
-        saved = []
+    def forward(x, *rest):
+        shortcut, params = (rest[0] if extra else x), rest[extra:]
+        h, saved = x, []
         for sig, ps in zip(sigs, _cut(params, nparams)):
-            x, s = _member_fwd(sig, x, ps)
+            h, s = _member_fwd(sig, h, ps)
             saved.extend(s)
-        return (x, *saved[1:])
+        if residual is not None:
+            h = jnp.maximum(h + shortcut, 0)  # `add_relu_fwd`
+        return (h, *saved[1:])
 
     def backward(need_dx, dy, *rest):
+        if residual is not None:
+            dy = jnp.where(rest[0] > 0, dy, 0)  # `relu_bwd` on the saved output
+            rest = rest[1:]
+        dshort = dy
         saved = _cut(rest[:sum(nsaved)], nsaved)
         params = _cut(rest[sum(nsaved):], nparams)
         dps = []
         for k in range(len(sigs) - 1, -1, -1):
             dy, d = _member_bwd(sigs[k], dy, saved[k], params[k], need_dx or k > 0)
             dps.append(d)
-        return (*((dy,) if need_dx else ()), *[t for d in reversed(dps) for t in d])
+        if residual == "identity" and need_dx:
+            dy = dshort + dy
+        return (*((dy,) if need_dx else ()), *((dshort,) if extra else ()), *[t for d in reversed(dps) for t in d])
 
     kernels = (jax.jit(forward), jax.jit(partial(backward, True)), jax.jit(partial(backward, False)))
-    for k, name in zip(kernels, ("chain_fwd", "chain_bwd", "chain_bwd_weights")):
-        k.__name__ = name
-    _CHAINS[sigs] = kernels
+    prefix = "chain" if residual is None else "residual"
+    for k, name in zip(kernels, ("fwd", "bwd", "bwd_weights")):
+        k.__name__ = f"{prefix}_{name}"
+    _CHAINS[key] = kernels
     return kernels
 
 

@@ -270,6 +270,47 @@ class Chain(Layer):
         return (None,), ex.call(self.kernels[2], (dy, *saved, *self.params))
 
 
+class ResidualChain(Layer):
+    """A residual block as one layer: its main path (a `Chain`), the addition of the shortcut and
+    the ReLU after it (an `AddReLU`), one kernel each way (`cnn.kernels.chain_kernels` with
+    ``residual``).  The main path's output, which only the addition reads, is never stored; the
+    layer saves its own output (the ReLU's mask) and what the chain saves.  Inputs: the block's
+    input x and, unless ``identity``, the projected shortcut s; with ``identity`` the shortcut is x
+    itself, whose two gradients the backward kernel sums.  Wraps the existing layers and their
+    parameters."""
+
+    adds_into = True
+
+    def __init__(self, chain: Chain, add_relu: AddReLU, identity: bool):
+        self.chain, self.add_relu, self.identity = chain, add_relu, identity
+        self.parts = chain.parts
+        self.params = chain.params
+        self.name = f"{chain.name}+{add_relu.name}"
+        self.kernels = K.chain_kernels(tuple(_signature(layer) for layer in chain.layers),
+                                       "identity" if identity else "projection")
+
+    def forward(self, ex, x, *shortcut):
+        if len(shortcut) != (0 if self.identity else 1):
+            raise ValueError(f"{self!r} takes {'x alone' if self.identity else 'x and the projected shortcut'}")
+        y, *saved = ex.call(self.kernels[0], (x, *shortcut, *self.params))
+        return y, (y, x, *saved)
+
+    def backward(self, ex, dy, saved, need, into=()):
+        operands = (dy, *saved, *self.params)
+        none = (None,) * len(self.params)
+        targets = tuple(into) + (None,) * (2 - len(into))
+        if self.identity:
+            if need[0]:
+                dx, *dps = ex.call(self.kernels[1], operands, into=(targets[0], *none))
+                return (dx,), tuple(dps)
+            return (None,), ex.call(self.kernels[2], operands)
+        if need[0]:
+            dx, ds, *dps = ex.call(self.kernels[1], operands, into=(targets[0], targets[1], *none))
+            return (dx, ds), tuple(dps)
+        ds, *dps = ex.call(self.kernels[2], operands, into=(targets[1], *none))
+        return (None, ds), tuple(dps)
+
+
 def _signature(layer: Layer) -> tuple:
     """A chain member's kernel signature (`cnn.kernels.chain_kernels`)."""
     if isinstance(layer, Conv2D):

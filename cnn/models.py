@@ -15,8 +15,9 @@ followed by a ReLU as one `layers.AddReLU`: one kernel each way instead of two, 
 in a whole-jitted step.  ``recompute=True`` wires every batch norm, ReLU, convolution run as one
 `layers.BNReLUConv`, which recomputes the normalised activations in backward instead of keeping them.
 A convolution and the batch norm (+ ReLU) after it are one `layers.ConvBN`, runs of those and
-convolutions one `layers.Chain`, and a DenseNet concatenation and the layer that reads it one
-`layers.ConcatBNReLU`.
+convolutions one `layers.Chain`, a residual block's main path that is one `Chain` and the addition
+and ReLU joining it to the shortcut one `layers.ResidualChain`, and a DenseNet concatenation and
+the layer that reads it one `layers.ConcatBNReLU`.
 Neither changes the weights or their initialisation: the layer list, and so the parameters, stay.
 """
 
@@ -31,8 +32,8 @@ import numpy as np
 from cachedarrays import CachedArray, Manager
 
 from .graph import Tape
-from .layers import (AddReLU, AvgPool, BatchNorm, BNReLU, BNReLUConv, Concat, ConcatBNReLU, Conv2D, Dense,
-                     GlobalAvgPool, Layer, MaxPool, ReLU, fuse_bn_relu, fuse_chains, fuse_conv_bn,
+from .layers import (AddReLU, AvgPool, BatchNorm, BNReLU, BNReLUConv, Chain, Concat, ConcatBNReLU, Conv2D, Dense,
+                     GlobalAvgPool, Layer, MaxPool, ReLU, ResidualChain, fuse_bn_relu, fuse_chains, fuse_conv_bn,
                      fuse_recomputed)
 
 RESNET_BLOCKS = {50: [3, 4, 6, 3], 101: [3, 4, 23, 3], 152: [3, 8, 36, 3], 200: [3, 24, 36, 3]}
@@ -191,7 +192,10 @@ def resnet(m: Manager, depth: int = 50, width: int = 16, image: int = 32, classe
             short = None
             if stride != 1 or cin != 4 * mid:
                 short = _fused([b.conv(cin, 4 * mid, 1, stride, name=f"b{s}.{j}.proj"), b.bn(4 * mid)], recompute)
-            plan.append((_fused(main, recompute), short, b.new(AddReLU())))
+            main, join = _fused(main, recompute), b.new(AddReLU())
+            if len(main) == 1 and isinstance(main[0], Chain):  # the main path is one kernel: the join too
+                main, join = [], ResidualChain(main[0], join, identity=short is None)
+            plan.append((main, short, join))
             cin = 4 * mid
     head = (b.new(GlobalAvgPool()), b.dense(cin, classes, "fc"))
 
@@ -200,7 +204,7 @@ def resnet(m: Manager, depth: int = 50, width: int = 16, image: int = 32, classe
             x = tape(layer, x)
         if stem_pool is not None:
             x = tape(stem_pool, x)
-        for main, short, add_relu in plan:
+        for main, short, join in plan:
             with tape.scope():
                 h = x
                 for layer in main:
@@ -208,7 +212,10 @@ def resnet(m: Manager, depth: int = 50, width: int = 16, image: int = 32, classe
                 s = x
                 for layer in short or ():
                     s = tape(layer, s)
-                x = tape(add_relu, h, s)
+                if isinstance(join, ResidualChain):
+                    x = tape(join, x) if join.identity else tape(join, x, s)
+                else:
+                    x = tape(join, h, s)
         for layer in head:
             x = tape(layer, x)
         return x

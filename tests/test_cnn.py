@@ -654,7 +654,8 @@ def test_sums_and_fused_layers_inside_kernels_give_the_separate_kernels_gradient
     assert not {"add_fwd", "concat_fwd", "concat_bwd"} & names
     assert any(n.endswith("+acc") for n in names)
     assert ("concat_bn_relu_fwd" in names) == (family == "densenet")
-    assert ("chain_fwd" in names) == (not recompute)
+    assert bool({"chain_fwd", "residual_fwd"} & names) == (not recompute)
+    assert ("residual_fwd" in names) == (family == "resnet") and not {"add_relu_fwd", "relu_bwd"} & names
     with monkeypatch.context() as mp:  # the same model with separate sums, concatenations and batch norms
         mp.setattr(models, "BNReLU", type("Unfused", (), {}))  # no layer for ConcatBNReLU to wrap
         mp.setattr(models, "BNReLUConv", type("Unfused", (), {}))
