@@ -32,8 +32,8 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from . import kernels as K
-from .layers import (Add, AddReLU, AvgPool, BatchNorm, BNReLU, BNReLUConv, Chain, Concat, ConcatBNReLU, Conv2D,
-                     ConvBN, Dense, GlobalAvgPool, Layer, MaxPool, ReLU, ResidualChain, SoftmaxCrossEntropy)
+from .layers import (Add, AddReLU, AvgPool, BatchNorm, BNReLU, BNReLUConv, Chain, Concat, ConcatBNReLU, ConcatChain,
+                     Conv2D, ConvBN, Dense, GlobalAvgPool, Layer, MaxPool, ReLU, ResidualChain, SoftmaxCrossEntropy)
 from .models import Model
 
 VARIANTS = ("whole", "remat", "offload")
@@ -43,6 +43,8 @@ def apply(layer: Layer, params: tuple, xs: list):
     """``layer``'s forward output on JAX values ``xs`` with weights ``params`` (the kernels' maths)."""
     if isinstance(layer, ConcatBNReLU):
         return apply(layer.inner, params, [K.concat_fwd(*xs)])
+    if isinstance(layer, ConcatChain):
+        return apply(layer.chain, params, [K.concat_fwd(*xs)])
     if isinstance(layer, (Chain, ConvBN)):
         return _sequence(layer, params, xs[0])[-1][3]
     if isinstance(layer, ResidualChain):  # the shortcut: the projection's output, or the block's input
@@ -214,8 +216,10 @@ def _sequence(layer: "Chain | ConvBN", params: tuple, x) -> list[tuple]:
 
 def _inner_bytes(layer: Layer, params: tuple, xs: list) -> list[int]:
     """Bytes of the outputs fused ``layer`` makes inside, as the separate layers would store them."""
-    if isinstance(layer, ConcatBNReLU):
-        return [sum(x.size * x.dtype.itemsize for x in xs)]
+    if isinstance(layer, (ConcatBNReLU, ConcatChain)):  # the concatenation, and the chain's inside
+        h = K.concat_fwd(*xs)
+        inner = _inner_bytes(layer.chain, params, [h]) if isinstance(layer, ConcatChain) else []
+        return [h.size * h.dtype.itemsize] + inner
     if isinstance(layer, ResidualChain):  # the chain's inside and its output, which the addition reads
         h = apply(layer.chain, params, xs[:1])
         return _inner_bytes(layer.chain, params, xs[:1]) + [h.size * h.dtype.itemsize]

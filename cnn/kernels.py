@@ -164,32 +164,51 @@ def conv_bn_bwd_weights(dy, x, z, w, gamma, beta, stats, *, stride: int, pad: in
 
 
 # ---------------------------------------------------------------- chains of one-input layers
-# A member of a chain by its signature: ("conv", stride, pad) or ("conv_bn", stride, pad, relu),
-# and how many parameters it takes and tensors it saves.
-_COUNTS = {"conv": (1, 1), "conv_bn": (3, 3)}
+# A member of a chain by its signature: ("conv", stride, pad), ("conv_bn", stride, pad, relu),
+# ("bn",), ("bn_relu",) or ("bn_relu_conv", stride, pad); how many parameters it takes and tensors
+# it saves (its input first).
+_COUNTS = {"conv": (1, 1), "conv_bn": (3, 3), "bn": (2, 2), "bn_relu": (2, 2), "bn_relu_conv": (3, 2)}
 
 
 def _member_fwd(sig: tuple, x, params):
-    """(y, saved) of one member: what `layers.Conv2D` / `layers.ConvBN` compute and save."""
-    if sig[0] == "conv":
+    """(y, saved) of one member: what `layers.Conv2D`, `layers.ConvBN`, `layers.BatchNorm`,
+    `layers.BNReLU` or `layers.BNReLUConv` compute and save."""
+    kind = sig[0]
+    if kind == "conv":
         return _conv(x, params[0], sig[1], sig[2]), (x,)
-    z, y, stats = conv_bn_fwd(x, *params, stride=sig[1], pad=sig[2], relu=sig[3])
-    return y, (x, z, stats)
+    if kind == "conv_bn":
+        z, y, stats = conv_bn_fwd(x, *params, stride=sig[1], pad=sig[2], relu=sig[3])
+        return y, (x, z, stats)
+    if kind == "bn_relu_conv":
+        y, stats = bn_relu_conv_fwd(x, *params, stride=sig[1], pad=sig[2])
+    else:
+        y, stats = (bn_relu_fwd if kind == "bn_relu" else bn_fwd)(x, *params)
+    return y, (x, stats)
 
 
 def _member_bwd(sig: tuple, dy, saved, params, need_dx: bool):
     """(dx or None, dparams) of one member."""
-    if sig[0] == "conv":
+    kind = sig[0]
+    if kind == "conv":
         (x,), (w,) = saved, params
         if need_dx:
             dx, dw = conv_bwd(dy, x, w, stride=sig[1], pad=sig[2])
             return dx, (dw,)
         return None, (conv_bwd_weights(dy, x, w, stride=sig[1], pad=sig[2]),)
-    static = dict(stride=sig[1], pad=sig[2], relu=sig[3])
-    if need_dx:
-        dx, *dps = conv_bn_bwd(dy, *saved[:2], *params, *saved[2:], **static)
-        return dx, tuple(dps)
-    return None, tuple(conv_bn_bwd_weights(dy, *saved[:2], *params, *saved[2:], **static))
+    if kind == "conv_bn":
+        static = dict(stride=sig[1], pad=sig[2], relu=sig[3])
+        if need_dx:
+            dx, *dps = conv_bn_bwd(dy, *saved[:2], *params, *saved[2:], **static)
+            return dx, tuple(dps)
+        return None, tuple(conv_bn_bwd_weights(dy, *saved[:2], *params, *saved[2:], **static))
+    x, stats = saved
+    if kind == "bn_relu_conv":
+        dx, *dps = bn_relu_conv_bwd(dy, x, *params, stats, stride=sig[1], pad=sig[2])
+    elif kind == "bn_relu":
+        dx, *dps = bn_relu_bwd(dy, x, *params, stats)
+    else:
+        dx, *dps = bn_bwd(dy, x, params[0], stats)
+    return (dx if need_dx else None), tuple(dps)
 
 
 def _cut(flat: tuple, sizes: list[int]) -> list[tuple]:
@@ -204,7 +223,7 @@ def _cut(flat: tuple, sizes: list[int]) -> list[tuple]:
 _CHAINS: dict = {}
 
 
-def chain_kernels(sigs: tuple, residual: str | None = None) -> tuple:
+def chain_kernels(sigs: tuple, residual: str | None = None, concat: tuple = ()) -> tuple:
     """Jitted (forward, backward, backward without the input's gradient) of a chain of members:
 
     forward(x, *params) = (y, *saved): every tensor the members save but the chain's input x;
@@ -216,17 +235,27 @@ def chain_kernels(sigs: tuple, residual: str | None = None) -> tuple:
     (relu(chain(x) + shortcut), *saved), the shortcut being x itself or the projected s;
     backward(dy, y, x, *saved, *params) = (dx[, ds], *dparams), the ReLU's mask taken from the
     saved output y as `relu_bwd` does, and for "identity" dx holding both paths' gradients; the
-    third returns ([ds,] *dparams)."""
-    key = (sigs, residual)
+    third returns ([ds,] *dparams).
+
+    ``concat`` (the channel counts of several inputs): the chain reads their concatenation
+    (`layers.ConcatChain`), made inside its forward kernel and returned as the first saved tensor
+    (its first member's input): forward(x1..xn, *params) = (y, h, *saved); backward(dy, h, *saved,
+    *params) = (dx1..dxn, *dparams), the concatenation's gradient split per input."""
+    key = (sigs, residual, concat)
     if key in _CHAINS:
         return _CHAINS[key]
     if residual not in (None, "identity", "projection"):
         raise ValueError(f"residual must be None, 'identity' or 'projection', got {residual!r}")
+    if residual is not None and concat:
+        raise ValueError("a chain reads a concatenation or joins a residual block, not both")
     nparams = [_COUNTS[sig[0]][0] for sig in sigs]
     nsaved = [_COUNTS[sig[0]][1] for sig in sigs]
     extra = int(residual == "projection")  # the projected shortcut, an input of its own
+    inputs = max(len(concat), 1)
 
-    def forward(x, *rest):
+    def forward(*args):
+        x = jnp.concatenate(args[:inputs], axis=-1) if concat else args[0]
+        rest = args[inputs:]
         shortcut, params = (rest[0] if extra else x), rest[extra:]
         h, saved = x, []
         for sig, ps in zip(sigs, _cut(params, nparams)):
@@ -234,7 +263,7 @@ def chain_kernels(sigs: tuple, residual: str | None = None) -> tuple:
             saved.extend(s)
         if residual is not None:
             h = jnp.maximum(h + shortcut, 0)  # `add_relu_fwd`
-        return (h, *saved[1:])
+        return (h, *(saved if concat else saved[1:]))
 
     def backward(need_dx, dy, *rest):
         if residual is not None:
@@ -249,10 +278,11 @@ def chain_kernels(sigs: tuple, residual: str | None = None) -> tuple:
             dps.append(d)
         if residual == "identity" and need_dx:
             dy = dshort + dy
-        return (*((dy,) if need_dx else ()), *((dshort,) if extra else ()), *[t for d in reversed(dps) for t in d])
+        dxs = (_split(dy, concat) if concat else (dy,)) if need_dx else ()
+        return (*dxs, *((dshort,) if extra else ()), *[t for d in reversed(dps) for t in d])
 
     kernels = (jax.jit(forward), jax.jit(partial(backward, True)), jax.jit(partial(backward, False)))
-    prefix = "chain" if residual is None else "residual"
+    prefix = "residual" if residual is not None else "concat_chain" if concat else "chain"
     for k, name in zip(kernels, ("fwd", "bwd", "bwd_weights")):
         k.__name__ = f"{prefix}_{name}"
     _CHAINS[key] = kernels

@@ -243,20 +243,22 @@ class ConvBN(Layer):
 
 
 class Chain(Layer):
-    """Consecutive `Conv2D` and `ConvBN` layers as one layer, one kernel each way
-    (`cnn.kernels.chain_kernels`): the forward kernel returns every tensor the layers save, the
-    backward kernel runs their backward passes in reverse, and the gradients between them are never
-    stored.  A DenseNet layer's two convolutions, a ResNet bottleneck's three.  Wraps the existing
-    layers and their parameters."""
+    """Consecutive one-input layers (`CHAINABLE`: convolutions and batch norms, alone or fused) as
+    one layer, one kernel each way (`cnn.kernels.chain_kernels`): the forward kernel returns every
+    tensor the layers save, the backward kernel runs their backward passes in reverse, and the
+    outputs and gradients between them are never stored.  A DenseNet layer (batch norm, ReLU and
+    two convolutions), a ResNet bottleneck's main path.  Wraps the existing layers and their
+    parameters."""
 
     adds_into = True
 
-    def __init__(self, layers: Sequence["Conv2D | ConvBN"]):
+    def __init__(self, layers: Sequence[Layer]):
         self.layers = tuple(layers)
         self.parts = tuple(part for layer in self.layers for part in getattr(layer, "parts", (layer,)))
         self.params = sum((layer.params for layer in self.layers), ())
         self.name = "+".join(layer.name for layer in self.layers)
-        self.kernels = K.chain_kernels(tuple(_signature(layer) for layer in self.layers))
+        self.signatures = tuple(_signature(layer) for layer in self.layers)
+        self.kernels = K.chain_kernels(self.signatures)
 
     def forward(self, ex, x):
         y, *saved = ex.call(self.kernels[0], (x, *self.params))
@@ -286,8 +288,7 @@ class ResidualChain(Layer):
         self.parts = chain.parts
         self.params = chain.params
         self.name = f"{chain.name}+{add_relu.name}"
-        self.kernels = K.chain_kernels(tuple(_signature(layer) for layer in chain.layers),
-                                       "identity" if identity else "projection")
+        self.kernels = K.chain_kernels(chain.signatures, "identity" if identity else "projection")
 
     def forward(self, ex, x, *shortcut):
         if len(shortcut) != (0 if self.identity else 1):
@@ -311,19 +312,53 @@ class ResidualChain(Layer):
         return (None, ds), tuple(dps)
 
 
+class ConcatChain(Layer):
+    """A concatenation and the `Chain` that reads it, one kernel each way (DenseNet: the
+    concatenation of the block's feature maps, a batch norm, ReLU and two convolutions): saves the
+    concatenation, as the chain saves its input, and hands the gradient back split per
+    concatenated tensor without storing it whole.  Wraps the chain and its parameters."""
+
+    adds_into = True
+
+    def __init__(self, chain: Chain):
+        self.chain = chain
+        self.parts = chain.parts
+        self.params = chain.params
+        self.name = f"concat+{chain.name}"
+
+    def forward(self, ex, *xs):
+        sizes = tuple(x.shape[-1] for x in xs)
+        y, *saved = ex.call(K.chain_kernels(self.chain.signatures, concat=sizes)[0], (*xs, *self.params))
+        return y, (*saved, sizes)
+
+    def backward(self, ex, dy, saved, need, into=()):
+        *saved, sizes = saved
+        n = len(sizes)
+        outs = ex.call(K.chain_kernels(self.chain.signatures, concat=sizes)[1], (dy, *saved, *self.params),
+                       into=tuple(into or (None,) * n) + (None,) * len(self.params))
+        return outs[:n], outs[n:]
+
+
 def _signature(layer: Layer) -> tuple:
     """A chain member's kernel signature (`cnn.kernels.chain_kernels`)."""
     if isinstance(layer, Conv2D):
         return ("conv", layer.stride, layer.pad)
-    return ("conv_bn", layer.conv.stride, layer.conv.pad, layer.static["relu"])
+    if isinstance(layer, ConvBN):
+        return ("conv_bn", layer.conv.stride, layer.conv.pad, layer.static["relu"])
+    if isinstance(layer, BNReLUConv):
+        return ("bn_relu_conv", layer.conv.stride, layer.conv.pad)
+    return ("bn_relu",) if isinstance(layer, BNReLU) else ("bn",)
+
+
+CHAINABLE = (Conv2D, ConvBN, BatchNorm, BNReLU, BNReLUConv)  # layers a `Chain` runs: one input, one output
 
 
 def fuse_chains(seq: Sequence[Layer]) -> list[Layer]:
-    """``seq`` with every run of two or more consecutive `Conv2D` / `ConvBN` layers as one `Chain`."""
+    """``seq`` with every run of two or more consecutive `CHAINABLE` layers as one `Chain`."""
     out: list[Layer] = []
     run: list[Layer] = []
     for layer in [*seq, None]:
-        if isinstance(layer, (Conv2D, ConvBN)):
+        if isinstance(layer, CHAINABLE):
             run.append(layer)
             continue
         out.extend([Chain(run)] if len(run) > 1 else run)

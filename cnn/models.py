@@ -14,10 +14,13 @@ Every batch norm followed by a ReLU is wired as one `layers.BNReLU`, and every r
 followed by a ReLU as one `layers.AddReLU`: one kernel each way instead of two, as XLA fuses them
 in a whole-jitted step.  ``recompute=True`` wires every batch norm, ReLU, convolution run as one
 `layers.BNReLUConv`, which recomputes the normalised activations in backward instead of keeping them.
-A convolution and the batch norm (+ ReLU) after it are one `layers.ConvBN`, runs of those and
-convolutions one `layers.Chain`, a residual block's main path that is one `Chain` and the addition
-and ReLU joining it to the shortcut one `layers.ResidualChain`, and a DenseNet concatenation and
-the layer that reads it one `layers.ConcatBNReLU`.
+A convolution and the batch norm (+ ReLU) after it are one `layers.ConvBN`; runs of those,
+convolutions and batch norms (+ ReLU, + convolution) one `layers.Chain`; a residual block's main
+path that is one `Chain` and the addition and ReLU joining it to the shortcut one
+`layers.ResidualChain`; and a DenseNet concatenation and the layer that reads it one
+`layers.ConcatChain` (or `layers.ConcatBNReLU` before the head's pooling).  ``wide=False`` leaves the
+last two apart (a ResNet block's join an `AddReLU`, a DenseNet concatenation fused only with the batch
+norm reading it): more kernels a step, but a smaller largest kernel, so a smaller smallest budget.
 Neither changes the weights or their initialisation: the layer list, and so the parameters, stay.
 """
 
@@ -32,9 +35,9 @@ import numpy as np
 from cachedarrays import CachedArray, Manager
 
 from .graph import Tape
-from .layers import (AddReLU, AvgPool, BatchNorm, BNReLU, BNReLUConv, Chain, Concat, ConcatBNReLU, Conv2D, Dense,
-                     GlobalAvgPool, Layer, MaxPool, ReLU, ResidualChain, fuse_bn_relu, fuse_chains, fuse_conv_bn,
-                     fuse_recomputed)
+from .layers import (AddReLU, AvgPool, BatchNorm, BNReLU, BNReLUConv, Chain, Concat, ConcatBNReLU, ConcatChain,
+                     Conv2D, Dense, GlobalAvgPool, Layer, MaxPool, ReLU, ResidualChain, fuse_bn_relu, fuse_chains,
+                     fuse_conv_bn, fuse_recomputed)
 
 RESNET_BLOCKS = {50: [3, 4, 6, 3], 101: [3, 4, 23, 3], 152: [3, 8, 36, 3], 200: [3, 24, 36, 3]}
 DENSENET_BLOCKS = {121: [6, 12, 24, 16], 169: [6, 12, 32, 32], 201: [6, 12, 48, 32], 264: [6, 12, 64, 48]}
@@ -100,6 +103,13 @@ def _fused(seq: list[Layer], recompute: bool) -> list[Layer]:
     return fuse_chains(fuse_conv_bn(fuse_bn_relu(fuse_recomputed(seq) if recompute else seq)))
 
 
+def _unchain(seq: list[Layer]) -> list[Layer]:
+    """``seq`` with the first layer of a `Chain` that opens it taken out of the chain: the batch
+    norm (+ ReLU, + convolution) that reads a DenseNet concatenation, for `ConcatBNReLU` to wrap."""
+    first = seq[0].layers if isinstance(seq[0], Chain) else seq[:1]
+    return [first[0], *fuse_chains(list(first[1:])), *seq[1:]]
+
+
 def _stages_for(image: int, wanted: int) -> int:
     return max(1, min(wanted, int(math.log2(max(image, 1))) if image > 1 else 1))
 
@@ -126,7 +136,7 @@ class _Builder:
 
 
 def vgg(m: Manager, depth: int = 16, width: int = 16, image: int = 32, classes: int = 10, in_channels: int = 3,
-        seed: int = 0, recompute: bool = False) -> Model:
+        seed: int = 0, recompute: bool = False, wide: bool = True) -> Model:
     """Plain stacks of conv-BN-ReLU, max pooling between stages, global average pooling, 3 dense layers."""
     if depth < 4:
         raise ValueError("VGG depth must be at least 4 (one convolution and three dense layers)")
@@ -167,7 +177,7 @@ def vgg(m: Manager, depth: int = 16, width: int = 16, image: int = 32, classes: 
 
 
 def resnet(m: Manager, depth: int = 50, width: int = 16, image: int = 32, classes: int = 10, in_channels: int = 3,
-           seed: int = 0, recompute: bool = False) -> Model:
+           seed: int = 0, recompute: bool = False, wide: bool = True) -> Model:
     """Bottleneck residual blocks (1x1, 3x3, 1x1, expansion 4) with projection shortcuts where shapes change."""
     if depth in RESNET_BLOCKS:
         blocks = RESNET_BLOCKS[depth]
@@ -193,7 +203,7 @@ def resnet(m: Manager, depth: int = 50, width: int = 16, image: int = 32, classe
             if stride != 1 or cin != 4 * mid:
                 short = _fused([b.conv(cin, 4 * mid, 1, stride, name=f"b{s}.{j}.proj"), b.bn(4 * mid)], recompute)
             main, join = _fused(main, recompute), b.new(AddReLU())
-            if len(main) == 1 and isinstance(main[0], Chain):  # the main path is one kernel: the join too
+            if wide and len(main) == 1 and isinstance(main[0], Chain):  # the main path is one kernel: the join too
                 main, join = [], ResidualChain(main[0], join, identity=short is None)
             plan.append((main, short, join))
             cin = 4 * mid
@@ -225,7 +235,7 @@ def resnet(m: Manager, depth: int = 50, width: int = 16, image: int = 32, classe
 
 
 def densenet(m: Manager, depth: int = 121, width: int = 8, image: int = 32, classes: int = 10,
-             in_channels: int = 3, seed: int = 0, recompute: bool = False) -> Model:
+             in_channels: int = 3, seed: int = 0, recompute: bool = False, wide: bool = True) -> Model:
     """Dense blocks of BN-ReLU-1x1-BN-ReLU-3x3 layers on the concatenation of all earlier feature maps,
     with BN-ReLU-1x1-avgpool transitions (compression 0.5); ``width`` is the growth rate."""
     if depth in DENSENET_BLOCKS:
@@ -257,8 +267,12 @@ def densenet(m: Manager, depth: int = 121, width: int = 8, image: int = 32, clas
             c = cout
         plan.append((layers, concat, transition))
     head = _fused([b.bn(c), b.new(ReLU()), b.new(GlobalAvgPool()), b.dense(c, classes, "fc")], recompute)
-    fused = {id(seq[0]): ConcatBNReLU(seq[0]) for seq in [head] + [t for _, _, t in plan if t] +
-             [seq for layers, _, _ in plan for seq in layers] if isinstance(seq[0], (BNReLU, BNReLUConv))}
+    if not wide:
+        plan = [([_unchain(seq) for seq in layers], concat, transition and _unchain(transition))
+                for layers, concat, transition in plan]
+    fused = {id(seq[0]): (ConcatChain if isinstance(seq[0], Chain) else ConcatBNReLU)(seq[0])
+             for seq in [head] + [t for _, _, t in plan if t] + [seq for layers, _, _ in plan for seq in layers]
+             if isinstance(seq[0], (Chain, BNReLU, BNReLUConv))}
 
     def wiring(tape: Tape, x: CachedArray) -> CachedArray:
         x = tape(stem, x)
@@ -276,7 +290,7 @@ def densenet(m: Manager, depth: int = 121, width: int = 8, image: int = 32, clas
 
     def _concatenated(tape: Tape, concat: Concat, features: list, seq: list[Layer]) -> tuple:
         """The concatenation of ``features`` and what of ``seq`` is left to apply to it: its first
-        layer and the concatenation are one `ConcatBNReLU` where that can wrap it."""
+        layer and the concatenation are one `ConcatChain` or `ConcatBNReLU` where that can wrap it."""
         if len(features) == 1:
             return features[0], seq
         if id(seq[0]) in fused:

@@ -152,8 +152,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"footprint {format_size(fp.footprint)} (weights and optimiser state {format_size(fp.persistent)}, "
-          f"{format_size(fp.allocated)} allocated per iteration); smallest budget that works "
-          f"{format_size(fp.min_budget)} ({fp.min_budget_kernel})", flush=True)
+          f"{format_size(fp.allocated)} allocated per iteration); smallest budget for its kernels "
+          f"{format_size(fp.min_budget)} ({fp.min_budget_kernel}; a smaller budget runs narrower kernels where "
+          f"those fit)", flush=True)
     progress = None
     if not args.no_progress:
         from tqdm import tqdm

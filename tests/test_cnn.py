@@ -262,6 +262,39 @@ def test_too_small_budget_names_the_smallest_that_works():
     assert f"{fp.min_budget} bytes" in str(info.value) and "smallest budget that works" in str(info.value)
 
 
+def test_a_budget_below_the_wide_kernels_runs_narrow_kernels_where_those_fit():
+    """A DenseNet's widest kernel (a concatenation and the whole layer reading it: `ConcatChain`)
+    needs more fast memory at once than the narrow kernels (``Config.wide`` False: the concatenation
+    with the batch norm alone).  A budget between the two runs the narrow model, whose losses are
+    the wide one's within float rounding; a budget below both names the narrow model's smallest."""
+    import dataclasses
+    from cnn.trainer import Session
+    cfg, fp = TINY["densenet"], footprint("densenet")
+    narrow = measure_footprint(dataclasses.replace(cfg, wide=False))
+    assert narrow.min_budget < fp.min_budget
+    wide_session = Session(cfg, "dram", None, fp)
+    session = Session(cfg, "caLM", (narrow.min_budget + fp.min_budget) // 2, fp)
+    try:
+        assert not session.cfg.wide and "narrow kernels" in session.cfg.label
+        assert session.fp.min_budget == narrow.min_budget
+        np.testing.assert_allclose([session.step(i).loss for i in range(2)],
+                                   [wide_session.step(i).loss for i in range(2)], rtol=1e-6)
+        session.m.check()
+    finally:
+        session.close()
+        wide_session.close()
+    with pytest.raises(BudgetTooSmallError, match=f"{narrow.min_budget} bytes"):
+        Session(cfg, "caLM", narrow.min_budget - 1, fp)
+
+
+def test_chain_kernels_refuse_an_unknown_join():
+    sigs = (("conv", 1, 0), ("bn_relu",))
+    with pytest.raises(ValueError, match="residual must be"):
+        K.chain_kernels(sigs, residual="dense")
+    with pytest.raises(ValueError, match="not both"):
+        K.chain_kernels(sigs, residual="identity", concat=(2, 2))
+
+
 def test_dram_mode_moves_nothing_and_cleanup_shrinks_traffic():
     cfg, fp = TINY["resnet"], footprint("resnet")
     assert all(r.dram_to_pm_bytes == 0 and r.pm_to_dram_bytes == 0 for r in run_mode(cfg, "dram", None, 1, fp).records)
@@ -625,13 +658,15 @@ def test_call_into_with_targets_that_do_not_fit_is_a_clear_error_that_writes_not
     manager.check()
 
 
-@pytest.mark.parametrize("family,recompute", [("densenet", False), ("densenet", True), ("resnet", False)])
+@pytest.mark.parametrize("family,recompute", [("densenet", False), ("densenet", True), ("resnet", False),
+                                              ("resnet", True)])
 def test_sums_and_fused_layers_inside_kernels_give_the_separate_kernels_gradients(family, recompute, manager,
                                                                                  monkeypatch):
     """A step with gradients summed inside the backward kernels, each convolution fused with the
     batch norm after it (`ConvBN`) and each DenseNet concatenation with the layer reading it
-    (`ConcatBNReLU`) and runs of convolutions as one kernel (`Chain`) runs no sum or concatenation
-    kernel of its own, and gives the gradients of the
+    (`ConcatBNReLU`, or with the whole chain reading it: `ConcatChain`), runs of convolutions and
+    batch norms as one kernel (`Chain`) and a residual block's join inside its chain
+    (`ResidualChain`) runs no sum or concatenation kernel of its own, and gives the gradients of the
     same maths as separate kernels (within float rounding: XLA may fuse the arithmetic differently)."""
     from cnn import layers as L
     from cnn import models
@@ -653,8 +688,8 @@ def test_sums_and_fused_layers_inside_kernels_give_the_separate_kernels_gradient
     fused, names = gradients()
     assert not {"add_fwd", "concat_fwd", "concat_bwd"} & names
     assert any(n.endswith("+acc") for n in names)
-    assert ("concat_bn_relu_fwd" in names) == (family == "densenet")
-    assert bool({"chain_fwd", "residual_fwd"} & names) == (not recompute)
+    assert ("concat_bn_relu_fwd" in names) == (family == "densenet")  # before the head's pooling
+    assert ("concat_chain_fwd" in names) == (family == "densenet" and not recompute)  # its transitions' (rc: none)
     assert ("residual_fwd" in names) == (family == "resnet") and not {"add_relu_fwd", "relu_bwd"} & names
     with monkeypatch.context() as mp:  # the same model with separate sums, concatenations and batch norms
         mp.setattr(models, "BNReLU", type("Unfused", (), {}))  # no layer for ConcatBNReLU to wrap
