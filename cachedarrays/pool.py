@@ -53,7 +53,6 @@ Namespace changes (`create`, `delete`) also take effect at the next durable poin
 from __future__ import annotations
 
 import json
-import os
 import time
 import weakref
 from dataclasses import dataclass

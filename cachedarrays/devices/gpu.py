@@ -38,8 +38,14 @@ _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the pointers (unified a
 HOST_REGISTER_FLAGS = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
 
+_CUPY = None  # CuPy, once a device was found (asked on every event and address: a driver call each)
+
+
 def cupy():
     """Import CuPy and check that a CUDA device is present; a clear error otherwise."""
+    global _CUPY
+    if _CUPY is not None:
+        return _CUPY
     try:
         import cupy as cp
     except ImportError as e:
@@ -51,6 +57,7 @@ def cupy():
         raise DeviceUnavailableError(f"no CUDA device is usable here: {e}") from e
     if count == 0:
         raise DeviceUnavailableError("no CUDA device is present on this machine")
+    _CUPY = cp
     return cp
 
 
