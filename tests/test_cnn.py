@@ -514,6 +514,33 @@ def test_the_gpu_benchmark_names_the_traffic_no_policy_can_avoid():
     assert "no policy" not in line
 
 
+def test_the_copy_queue_follows_the_memory_free_outside_the_heap():
+    """`queue_limit`: half the device memory free outside the heap, at most the heap's capacity, at
+    least `MIN_QUEUE` (the kernel outputs queued for copying live in JAX's memory)."""
+    import types
+    from cnn.execute import MIN_QUEUE, queue_limit
+    gpu = lambda capacity, free: types.SimpleNamespace(capacity=capacity, free_memory=lambda: free)  # noqa: E731
+    assert queue_limit(gpu(18 << 30, 100 << 30)) == 18 << 30
+    assert queue_limit(gpu(18 << 30, 10 << 30)) == 5 << 30
+    assert queue_limit(gpu(18 << 30, 0)) == MIN_QUEUE
+
+
+def test_importing_the_trainer_asks_xla_for_command_buffers_unless_the_user_chose(tmp_path):
+    """`import cnn` adds XLA's command-buffer flags (one CUDA graph a program: cheaper launches)
+    to ``XLA_FLAGS``, keeps the user's other flags, and leaves a user's own command-buffer choice."""
+    import os
+    import subprocess
+    import sys
+    code = "import os, cnn; print(os.environ['XLA_FLAGS'])"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run = lambda extra: subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True,  # noqa: E731
+                                       text=True, check=True, cwd=os.path.dirname(os.path.dirname(__file__))).stdout.strip()
+    assert "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN" in run({})
+    kept = run({"XLA_FLAGS": "--xla_dump_to=" + str(tmp_path)})
+    assert kept.startswith("--xla_dump_to=") and "--xla_gpu_graph_min_graph_size=1" in kept
+    assert run({"XLA_FLAGS": "--xla_gpu_enable_command_buffer="}) == "--xla_gpu_enable_command_buffer="
+
+
 def test_a_step_split_at_the_placed_batch_trains_as_one_step():
     """`Trainer.begin` places the batch and `Trainer.run` trains on it (a session starts its clock
     between the two, with the batch in place as whole-jit's); together they are `Trainer.step`, and
