@@ -137,7 +137,8 @@ class _Builder:
 
 def vgg(m: Manager, depth: int = 16, width: int = 16, image: int = 32, classes: int = 10, in_channels: int = 3,
         seed: int = 0, recompute: bool = False, wide: bool = True) -> Model:
-    """Plain stacks of conv-BN-ReLU, max pooling between stages, global average pooling, 3 dense layers."""
+    """Plain stacks of conv-BN-ReLU, max pooling between stages, global average pooling, 3 dense layers
+    (``wide`` changes nothing: its chains have no join; it is taken so that `build` is uniform)."""
     if depth < 4:
         raise ValueError("VGG depth must be at least 4 (one convolution and three dense layers)")
     b = _Builder(m, seed)

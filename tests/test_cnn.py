@@ -287,12 +287,23 @@ def test_a_budget_below_the_wide_kernels_runs_narrow_kernels_where_those_fit():
         Session(cfg, "caLM", narrow.min_budget - 1, fp)
 
 
-def test_chain_kernels_refuse_an_unknown_join():
+def test_chains_refuse_what_they_cannot_run(manager):
+    """A chain member must be a one-input layer, a join is a residual one or a concatenation, and
+    a residual block's layer takes the projected shortcut exactly when it has one."""
+    from cnn.layers import AddReLU, BatchNorm, Chain, Conv2D, MaxPool, ResidualChain
     sigs = (("conv", 1, 0), ("bn_relu",))
     with pytest.raises(ValueError, match="residual must be"):
         K.chain_kernels(sigs, residual="dense")
     with pytest.raises(ValueError, match="not both"):
         K.chain_kernels(sigs, residual="identity", concat=(2, 2))
+    rng = np.random.default_rng(0)
+    conv = Conv2D(manager, rng, 2, 2, 1)
+    with pytest.raises(TypeError, match="cannot be a member of a chain"):
+        Chain([conv, MaxPool(2)])
+    block = ResidualChain(Chain([conv, BatchNorm(manager, 2)]), AddReLU(), identity=True)
+    x = CachedArray(np.ones((1, 2, 2, 2), np.float32), manager)
+    with pytest.raises(ValueError, match="x alone"):
+        block.forward(Executor(manager), x, x)
 
 
 def test_dram_mode_moves_nothing_and_cleanup_shrinks_traffic():
