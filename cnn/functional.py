@@ -32,7 +32,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from . import kernels as K
-from .layers import (Add, AddReLU, AvgPool, BatchNorm, BNReLU, BNReLUConv, Chain, Concat, ConcatBNReLU, ConcatChain,
+from .layers import (Add, AddReLU, AvgPool, BatchNorm, BNReLU, BNReLUConv, Chain, Concat, ConcatChain,
                      Conv2D, ConvBN, Dense, GlobalAvgPool, Layer, MaxPool, ReLU, ResidualChain, SoftmaxCrossEntropy)
 from .models import Model
 
@@ -41,8 +41,6 @@ VARIANTS = ("whole", "remat", "offload")
 
 def apply(layer: Layer, params: tuple, xs: list):
     """``layer``'s forward output on JAX values ``xs`` with weights ``params`` (the kernels' maths)."""
-    if isinstance(layer, ConcatBNReLU):
-        return apply(layer.inner, params, [K.concat_fwd(*xs)])
     if isinstance(layer, ConcatChain):
         return apply(layer.chain, params, [K.concat_fwd(*xs)])
     if isinstance(layer, (Chain, ConvBN)):
@@ -216,10 +214,9 @@ def _sequence(layer: "Chain | ConvBN", params: tuple, x) -> list[tuple]:
 
 def _inner_bytes(layer: Layer, params: tuple, xs: list) -> list[int]:
     """Bytes of the outputs fused ``layer`` makes inside, as the separate layers would store them."""
-    if isinstance(layer, (ConcatBNReLU, ConcatChain)):  # the concatenation, and the chain's inside
+    if isinstance(layer, ConcatChain):  # the concatenation, and the chain's inside
         h = K.concat_fwd(*xs)
-        inner = _inner_bytes(layer.chain, params, [h]) if isinstance(layer, ConcatChain) else []
-        return [h.size * h.dtype.itemsize] + inner
+        return [h.size * h.dtype.itemsize] + _inner_bytes(layer.chain, params, [h])
     if isinstance(layer, ResidualChain):  # the chain's inside and its output, which the addition reads
         h = apply(layer.chain, params, xs[:1])
         return _inner_bytes(layer.chain, params, xs[:1]) + [h.size * h.dtype.itemsize]
@@ -232,7 +229,7 @@ def _inner_bytes(layer: Layer, params: tuple, xs: list) -> list[int]:
 
 def output_bytes(model: Model, batch: int) -> int:
     """Bytes of every layer output of one forward pass at ``batch``, counting the outputs a fused
-    layer makes inside (a `ConvBN`'s convolution output, a `ConcatBNReLU`'s concatenation) as the
+    layer makes inside (a `ConvBN`'s convolution output, a `ConcatChain`'s concatenation) as the
     separate layers would (shapes only: nothing is computed)."""
     sizes: list[int] = []
 

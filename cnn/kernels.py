@@ -254,7 +254,7 @@ def chain_kernels(sigs: tuple, residual: str | None = None, concat: tuple = ()) 
     inputs = max(len(concat), 1)
 
     def forward(*args):
-        x = jnp.concatenate(args[:inputs], axis=-1) if concat else args[0]
+        x = concat_fwd(*args[:inputs]) if concat else args[0]
         rest = args[inputs:]
         shortcut, params = (rest[0] if extra else x), rest[extra:]
         h, saved = x, []
@@ -262,12 +262,12 @@ def chain_kernels(sigs: tuple, residual: str | None = None, concat: tuple = ()) 
             h, s = _member_fwd(sig, h, ps)
             saved.extend(s)
         if residual is not None:
-            h = jnp.maximum(h + shortcut, 0)  # `add_relu_fwd`
+            h = add_relu_fwd(h, shortcut)
         return (h, *(saved if concat else saved[1:]))
 
     def backward(need_dx, dy, *rest):
         if residual is not None:
-            dy = jnp.where(rest[0] > 0, dy, 0)  # `relu_bwd` on the saved output
+            dy = relu_bwd(dy, rest[0])  # the mask from the saved output
             rest = rest[1:]
         dshort = dy
         saved = _cut(rest[:sum(nsaved)], nsaved)
@@ -277,7 +277,7 @@ def chain_kernels(sigs: tuple, residual: str | None = None, concat: tuple = ()) 
             dy, d = _member_bwd(sigs[k], dy, saved[k], params[k], need_dx or k > 0)
             dps.append(d)
         if residual == "identity" and need_dx:
-            dy = dshort + dy
+            dy = add_fwd(dshort, dy)
         dxs = (_split(dy, concat) if concat else (dy,)) if need_dx else ()
         return (*dxs, *((dshort,) if extra else ()), *[t for d in reversed(dps) for t in d])
 
@@ -366,29 +366,6 @@ def _split(dy, sizes: tuple) -> tuple:
         bounds.append((start, start + c))
         start += c
     return tuple(dy[..., a:b] for a, b in bounds)
-
-
-# ---------------------------------------------------------------- concatenation fused with the layer that reads it
-@partial(jax.jit, static_argnames=("n", "stride", "pad"))
-def concat_bn_relu_fwd(*args, n: int, stride: int = 0, pad: int = 0):
-    """``args`` = (x1..xn, gamma, beta[, w]): the concatenation h of x1..xn (saved for backward) and
-    `bn_relu_fwd` of it, or `bn_relu_conv_fwd` where a filter ``w`` follows: (h, y, stats)."""
-    h = jnp.concatenate(args[:n], axis=-1)
-    rest = args[n:]
-    out = bn_relu_fwd(h, *rest) if len(rest) == 2 else bn_relu_conv_fwd(h, *rest, stride=stride, pad=pad)
-    return (h, *out)
-
-
-@partial(jax.jit, static_argnames=("sizes", "stride", "pad"))
-def bn_relu_split_bwd(dy, h, gamma, beta, *rest, sizes: tuple, stride: int = 0, pad: int = 0):
-    """`bn_relu_bwd` (``rest`` = stats) or `bn_relu_conv_bwd` (``rest`` = w, stats) of
-    `concat_bn_relu_fwd`, the input's gradient split back into the concatenated tensors' channels:
-    (dx1..dxn, dgamma, dbeta[, dw])."""
-    if len(rest) == 1:
-        dh, *dparams = bn_relu_bwd(dy, h, gamma, beta, *rest)
-    else:
-        dh, *dparams = bn_relu_conv_bwd(dy, h, gamma, beta, *rest, stride=stride, pad=pad)
-    return (*_split(dh, sizes), *dparams)
 
 
 # ---------------------------------------------------------------- loss

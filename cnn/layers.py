@@ -186,34 +186,6 @@ class BNReLUConv(Layer):
         return (dx,), (dgamma, dbeta, dw)
 
 
-class ConcatBNReLU(Layer):
-    """A concatenation and the `BNReLU` or `BNReLUConv` layer that reads it, one kernel each way
-    (DenseNet): saves the concatenation, as the wrapped layer saves its input, and hands the
-    gradient back split per concatenated tensor without storing it whole.  Wraps the existing
-    layer and its parameters."""
-
-    adds_into = True
-
-    def __init__(self, inner: "BNReLU | BNReLUConv"):
-        self.inner = inner
-        self.parts = inner.parts
-        self.params = inner.params
-        self.name = f"concat+{inner.name}"
-        conv = getattr(inner, "conv", None)
-        self.static = {} if conv is None else {"stride": conv.stride, "pad": conv.pad}
-
-    def forward(self, ex, *xs):
-        h, y, stats = ex.call(K.concat_bn_relu_fwd, (*xs, *self.params), n=len(xs), **self.static)
-        return y, (h, stats, tuple(x.shape[-1] for x in xs))
-
-    def backward(self, ex, dy, saved, need, into=()):
-        h, stats, sizes = saved
-        n = len(sizes)
-        outs = ex.call(K.bn_relu_split_bwd, (dy, h, *self.params, stats),
-                       into=tuple(into or (None,) * n) + (None,) * len(self.params), sizes=sizes, **self.static)
-        return outs[:n], outs[n:]
-
-
 class ConvBN(Layer):
     """A convolution and the `BatchNorm` or `BNReLU` after it as one layer, one kernel each way: saves
     the convolution's input and output (what the two layers save) and never stores the gradient
@@ -314,9 +286,10 @@ class ResidualChain(Layer):
 
 class ConcatChain(Layer):
     """A concatenation and the `Chain` that reads it, one kernel each way (DenseNet: the
-    concatenation of the block's feature maps, a batch norm, ReLU and two convolutions): saves the
-    concatenation, as the chain saves its input, and hands the gradient back split per
-    concatenated tensor without storing it whole.  Wraps the chain and its parameters."""
+    concatenation of the block's feature maps, a batch norm, ReLU and two convolutions; or a chain
+    of one member, the batch norm + ReLU before the head's pooling): saves the concatenation, as
+    the chain saves its input, and hands the gradient back split per concatenated tensor without
+    storing it whole.  Wraps the chain and its parameters."""
 
     adds_into = True
 

@@ -18,9 +18,10 @@ A convolution and the batch norm (+ ReLU) after it are one `layers.ConvBN`; runs
 convolutions and batch norms (+ ReLU, + convolution) one `layers.Chain`; a residual block's main
 path that is one `Chain` and the addition and ReLU joining it to the shortcut one
 `layers.ResidualChain`; and a DenseNet concatenation and the layer that reads it one
-`layers.ConcatChain` (or `layers.ConcatBNReLU` before the head's pooling).  ``wide=False`` leaves the
-last two apart (a ResNet block's join an `AddReLU`, a DenseNet concatenation fused only with the batch
-norm reading it): more kernels a step, but a smaller largest kernel, so a smaller smallest budget.
+`layers.ConcatChain` (whose chain before the head's pooling is the batch norm + ReLU alone).
+``wide=False`` leaves the last two apart (a ResNet block's join an `AddReLU`, a DenseNet
+concatenation fused only with the batch norm reading it): more kernels a step, but a smaller
+largest kernel, so a smaller smallest budget.
 Neither changes the weights or their initialisation: the layer list, and so the parameters, stay.
 """
 
@@ -35,7 +36,7 @@ import numpy as np
 from cachedarrays import CachedArray, Manager
 
 from .graph import Tape
-from .layers import (AddReLU, AvgPool, BatchNorm, BNReLU, BNReLUConv, Chain, Concat, ConcatBNReLU, ConcatChain,
+from .layers import (AddReLU, AvgPool, BatchNorm, BNReLU, BNReLUConv, Chain, Concat, ConcatChain,
                      Conv2D, Dense, GlobalAvgPool, Layer, MaxPool, ReLU, ResidualChain, fuse_bn_relu, fuse_chains,
                      fuse_conv_bn, fuse_recomputed)
 
@@ -105,7 +106,7 @@ def _fused(seq: list[Layer], recompute: bool) -> list[Layer]:
 
 def _unchain(seq: list[Layer]) -> list[Layer]:
     """``seq`` with the first layer of a `Chain` that opens it taken out of the chain: the batch
-    norm (+ ReLU, + convolution) that reads a DenseNet concatenation, for `ConcatBNReLU` to wrap."""
+    norm (+ ReLU, + convolution) that reads a DenseNet concatenation, for `ConcatChain` to wrap alone."""
     first = seq[0].layers if isinstance(seq[0], Chain) else seq[:1]
     return [first[0], *fuse_chains(list(first[1:])), *seq[1:]]
 
@@ -271,7 +272,7 @@ def densenet(m: Manager, depth: int = 121, width: int = 8, image: int = 32, clas
     if not wide:
         plan = [([_unchain(seq) for seq in layers], concat, transition and _unchain(transition))
                 for layers, concat, transition in plan]
-    fused = {id(seq[0]): (ConcatChain if isinstance(seq[0], Chain) else ConcatBNReLU)(seq[0])
+    fused = {id(seq[0]): ConcatChain(seq[0] if isinstance(seq[0], Chain) else Chain([seq[0]]))
              for seq in [head] + [t for _, _, t in plan if t] + [seq for layers, _, _ in plan for seq in layers]
              if isinstance(seq[0], (Chain, BNReLU, BNReLUConv))}
 
@@ -291,7 +292,7 @@ def densenet(m: Manager, depth: int = 121, width: int = 8, image: int = 32, clas
 
     def _concatenated(tape: Tape, concat: Concat, features: list, seq: list[Layer]) -> tuple:
         """The concatenation of ``features`` and what of ``seq`` is left to apply to it: its first
-        layer and the concatenation are one `ConcatChain` or `ConcatBNReLU` where that can wrap it."""
+        layer and the concatenation are one `ConcatChain` where that can wrap it."""
         if len(features) == 1:
             return features[0], seq
         if id(seq[0]) in fused:

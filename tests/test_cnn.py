@@ -544,8 +544,11 @@ def test_importing_the_trainer_asks_xla_for_command_buffers_unless_the_user_chos
     import sys
     code = "import os, cnn; print(os.environ['XLA_FLAGS'])"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    run = lambda extra: subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True,  # noqa: E731
-                                       text=True, check=True, cwd=os.path.dirname(os.path.dirname(__file__))).stdout.strip()
+    root = os.path.dirname(os.path.dirname(__file__))
+
+    def run(extra: dict) -> str:
+        return subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
+                              check=True, cwd=root).stdout.strip()
     assert "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN" in run({})
     kept = run({"XLA_FLAGS": "--xla_dump_to=" + str(tmp_path)})
     assert kept.startswith("--xla_dump_to=") and "--xla_gpu_graph_min_graph_size=1" in kept
@@ -702,7 +705,7 @@ def test_sums_and_fused_layers_inside_kernels_give_the_separate_kernels_gradient
                                                                                  monkeypatch):
     """A step with gradients summed inside the backward kernels, each convolution fused with the
     batch norm after it (`ConvBN`) and each DenseNet concatenation with the layer reading it
-    (`ConcatBNReLU`, or with the whole chain reading it: `ConcatChain`), runs of convolutions and
+    (`ConcatChain`, the whole chain reading it), runs of convolutions and
     batch norms as one kernel (`Chain`) and a residual block's join inside its chain
     (`ResidualChain`) runs no sum or concatenation kernel of its own, and gives the gradients of the
     same maths as separate kernels (within float rounding: XLA may fuse the arithmetic differently)."""
@@ -726,11 +729,10 @@ def test_sums_and_fused_layers_inside_kernels_give_the_separate_kernels_gradient
     fused, names = gradients()
     assert not {"add_fwd", "concat_fwd", "concat_bwd"} & names
     assert any(n.endswith("+acc") for n in names)
-    assert ("concat_bn_relu_fwd" in names) == (family == "densenet")  # before the head's pooling
-    assert ("concat_chain_fwd" in names) == (family == "densenet" and not recompute)  # its transitions' (rc: none)
+    assert ("concat_chain_fwd" in names) == (family == "densenet")
     assert ("residual_fwd" in names) == (family == "resnet") and not {"add_relu_fwd", "relu_bwd"} & names
     with monkeypatch.context() as mp:  # the same model with separate sums, concatenations and batch norms
-        mp.setattr(models, "BNReLU", type("Unfused", (), {}))  # no layer for ConcatBNReLU to wrap
+        mp.setattr(models, "BNReLU", type("Unfused", (), {}))  # no layer for ConcatChain to wrap
         mp.setattr(models, "BNReLUConv", type("Unfused", (), {}))
         mp.setattr(models, "fuse_conv_bn", list)
         mp.setattr(models, "fuse_chains", list)
@@ -738,7 +740,7 @@ def test_sums_and_fused_layers_inside_kernels_give_the_separate_kernels_gradient
                     L.SoftmaxCrossEntropy, L.BatchNorm, L.MaxPool, L.ReLU):
             mp.setattr(cls, "adds_into", False)
         separate, names = gradients()
-    assert "add_fwd" in names and not {"conv_bn_fwd", "concat_bn_relu_fwd", "chain_fwd"} & names
+    assert "add_fwd" in names and not {"conv_bn_fwd", "concat_chain_fwd", "chain_fwd"} & names
     assert set(fused) == set(separate) == set(range(len(fused)))
     for i, g in fused.items():
         np.testing.assert_allclose(g, separate[i], rtol=1e-5, atol=1e-6)
@@ -748,7 +750,7 @@ def test_a_tensor_concatenated_with_itself_gets_both_gradients(manager):
     """`GradStore.targets` hands a layer a running sum once per node and never one that another
     tensor shares: a tensor read twice by one concatenation gets both slices' gradients."""
     from cnn.graph import GradStore
-    from cnn.layers import BatchNorm, BNReLU, ConcatBNReLU, Conv2D, Dense, GlobalAvgPool
+    from cnn.layers import BatchNorm, BNReLU, Chain, ConcatChain, Conv2D, Dense, GlobalAvgPool
     ex = Executor(manager)
     store = GradStore(ex)
     a, b = (CachedArray(np.ones(4, np.float32), manager) for _ in range(2))
@@ -759,8 +761,8 @@ def test_a_tensor_concatenated_with_itself_gets_both_gradients(manager):
 
     rng = np.random.default_rng(0)
     conv = Conv2D(manager, rng, 3, 4)
-    layers = [conv, ConcatBNReLU(BNReLU(BatchNorm(manager, 8))), ConcatBNReLU(BNReLU(BatchNorm(manager, 12))),
-              GlobalAvgPool(), Dense(manager, rng, 12, 10)]
+    joined = [ConcatChain(Chain([BNReLU(BatchNorm(manager, c))])) for c in (8, 12)]  # concatenation + BN + ReLU
+    layers = [conv, *joined, GlobalAvgPool(), Dense(manager, rng, 12, 10)]
     params = [p for layer in layers for p in layer.params]
 
     def forward(tape, x):
