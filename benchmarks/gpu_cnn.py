@@ -330,9 +330,9 @@ def main(argv=None) -> int:
                    help="target footprint that sets the batch (default 12GiB; --quick: 160MiB)")
     p.add_argument("--ratios", default="2,4", help="footprint / HBM budget ratios (default 2,4; --quick: 2)")
     p.add_argument("--models", default="resnet,densenet", help="resnet and/or densenet (default both)")
-    p.add_argument("--steps", type=int, default=2, help="timed steps per row, after the warm-up (default 2)")
-    p.add_argument("--warmup", type=int, default=1,
-                   help="untimed first steps (cap learns the order in the first) (default 1)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per row, after the warm-up (default 5)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed first steps (cap learns the order in the first) (default 2)")
     p.add_argument("--pm-dir", default=None, help="directory for a PM file, if host memory is short")
     p.add_argument("--no-recompute", dest="recompute", action="store_false",
                    help="leave out the caLMP rows of the model that recomputes batch norm + ReLU outputs")

@@ -146,6 +146,16 @@ class Executor:
             return from_dlpack(buf)  # JAX's stream waits for CuPy's
         return jax_array(view, after=self._latest)
 
+    def upload(self, host: np.ndarray) -> Any:
+        """``host`` in the fast device's memory outside the heap (a CuPy array on a GPU, ``host`` itself
+        on the host), to be placed as an object later by a device-to-device copy: the transfer from
+        pageable memory, synchronous on a GPU, done before a step starts."""
+        if not self.gpu:
+            return host
+        import cupy as cp
+        with cp.cuda.Device(self.manager.fast.index):
+            return cp.asarray(host)
+
     def _gpu_device(self):
         if self._device is None:
             index = self.manager.fast.index

@@ -82,17 +82,20 @@ class Trainer:
         return self.run()
 
     def begin(self, x_np: np.ndarray, y_np: np.ndarray) -> None:
-        """The start of an iteration: the boundary marked for the policy (`Policy.mark_iteration`: a
-        policy that learns the order of uses, mode ``cap``, learns one step's and prefetches the
-        next), then the batch placed as objects, which `run` trains on and frees."""
-        self.m.policy.mark_iteration()
-        self._batch = (CachedArray(x_np, self.m), CachedArray(y_np.astype(np.int32), self.m))
+        """Bring the batch to the fast device (`Executor.upload`), for `run` to train on: what a
+        whole-jitted step has before it starts. Nothing of the policy runs here."""
+        self._batch = (self.ex.upload(x_np), self.ex.upload(y_np.astype(np.int32)))
 
     def run(self) -> float:
-        """The rest of the iteration `begin` started; returns the loss before the update."""
+        """The iteration `begin` prepared: the boundary marked for the policy (`Policy.mark_iteration`:
+        a policy that learns the order of uses, mode ``cap``, learns one step's and prefetches the
+        next), the batch placed as objects, forward, backward, SGD; returns the loss before the update."""
         if self._batch is None:
             raise RuntimeError("Trainer.run trains on the batch of Trainer.begin, which was not called")
-        (x, y), self._batch = self._batch, None
+        batch, self._batch = self._batch, None
+        self.m.policy.mark_iteration()
+        x, y = (CachedArray(a, self.m) for a in batch)
+        del batch
         tape = Tape(self.ex, self.ann, self.plan)
         loss = tape(self.loss_layer, self.model.forward(tape, x), y)
         with readable(loss) as v:  # a copy read at the end: on a GPU reading it now would wait for the forward pass
@@ -273,8 +276,8 @@ class Session:
         m.reset_telemetry()
         tr.ex.stats.reset()
         try:
-            # the clock starts with the batch in place, as whole-jit's does (benchmarks/gpu_cnn.py):
-            # on a GPU its upload from pageable host memory is synchronous
+            # the clock starts with the batch on the device, as whole-jit's does (benchmarks/gpu_cnn.py):
+            # its upload from pageable host memory is synchronous; placing it as objects is timed
             tr.begin(*batch)
             t0 = time.perf_counter()
             loss = tr.run()

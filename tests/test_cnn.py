@@ -555,20 +555,27 @@ def test_importing_the_trainer_asks_xla_for_command_buffers_unless_the_user_chos
     assert run({"XLA_FLAGS": "--xla_gpu_enable_command_buffer="}) == "--xla_gpu_enable_command_buffer="
 
 
-def test_a_step_split_at_the_placed_batch_trains_as_one_step():
-    """`Trainer.begin` places the batch and `Trainer.run` trains on it (a session starts its clock
-    between the two, with the batch in place as whole-jit's); together they are `Trainer.step`, and
-    `run` without a batch is a clear error that leaves the trainer usable."""
+def test_a_step_split_at_the_uploaded_batch_trains_as_one_step():
+    """`Trainer.begin` brings the batch to the device and `Trainer.run` does the rest (a session starts
+    its clock between the two, with the batch where whole-jit's is); together they are `Trainer.step`.
+    `begin` leaves the policy alone (no object placed, no iteration marked), so a session's clock
+    covers all of the policy's work; `run` without a batch is a clear error that leaves the trainer
+    usable."""
     from cnn.data import synthetic_batch
     from cnn.trainer import Session
     cfg = Config(family="resnet", depth=8, width=4, batch=2, image=8)
     fp = measure_footprint(cfg)
     a, b = Session(cfg, "dram", None, fp), Session(cfg, "dram", None, fp)
+    marks, mark = [], b.m.policy.mark_iteration
+    b.m.policy.mark_iteration = lambda: (marks.append(1), mark())[1]
     try:
         for i in range(3):
             batch = synthetic_batch(i, cfg.batch, cfg.image, cfg.channels, cfg.classes, cfg.seed)
+            objects = len(b.m.objects())
             b.trainer.begin(*batch)
+            assert (len(b.m.objects()), len(marks)) == (objects, i)
             assert a.trainer.step(*batch) == b.trainer.run()
+            assert len(marks) == i + 1
             with pytest.raises(RuntimeError, match="Trainer.begin"):
                 b.trainer.run()
         assert [a.step(i).loss for i in range(3, 5)] == [b.step(i).loss for i in range(3, 5)]
