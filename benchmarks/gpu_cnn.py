@@ -144,7 +144,7 @@ def run_ours(cfg, fp, mode: str, budget: int | None, steps: int, warmup: int, pm
     steady = run.records[warmup:]
     med = lambda f: statistics.median(f(r) for r in steady)  # noqa: E731
     last = steady[-1]
-    return {"seconds": med(lambda r: r.seconds), "to_slow": med(lambda r: r.dram_to_pm_bytes),
+    return {"seconds": med(lambda r: r.seconds), "step_seconds": [r.seconds for r in steady], "to_slow": med(lambda r: r.dram_to_pm_bytes),
             "to_fast": med(lambda r: r.pm_to_dram_bytes), "hidden": med(lambda r: max(
                 0.0, r.measured_movement_seconds - r.exposed_movement_seconds)),
             "exposed": med(lambda r: r.exposed_movement_seconds), "coverage": last.coverage,
@@ -201,7 +201,7 @@ def run_jax(cfg, variant: str, steps: int, warmup: int) -> dict:
                 times.append(time.perf_counter() - t0)
             stats = jax.devices()[0].memory_stats() or {}
             del params, momenta
-            return {"seconds": statistics.median(times[warmup:]), "planned": planned,
+            return {"seconds": statistics.median(times[warmup:]), "step_seconds": times[warmup:], "planned": planned,
                     "host_temp": getattr(mem, "host_temp_size_in_bytes", None),
                     "process_peak": stats.get("peak_bytes_in_use"), "losses": losses}
     except Exception as e:
@@ -377,6 +377,8 @@ def main(argv=None) -> int:
             r = rows[row]
             extra = (f" | {r['kernels']} kernels a step, {1e3 * r['host_seconds_per_kernel']:.3f} ms of host time "
                      f"each (dispatch to release)" if r.get("kernels") else "")
+            if r.get("step_seconds"):
+                extra += " | steps ms " + " ".join(f"{1e3 * t:.1f}" for t in r["step_seconds"])
             print("  " + " | ".join(table_row(row, r, base, link)) + extra, flush=True)
 
         budgets = {ratio: -(-fp.footprint // ratio // 4096) * 4096 for ratio in ratios}
