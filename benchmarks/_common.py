@@ -95,11 +95,25 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]
 
 
 def environment() -> dict[str, Any]:
-    """Where the numbers came from: host, CPU count and load, Python and numpy versions."""
+    """Where the numbers came from: host, CPU model, count and load, Python and numpy versions (the
+    host's CPU sets how fast a step's kernels are dispatched: GPU machines of one kind differ in it)."""
     import numpy as np
     return {"host": platform.node(), "machine": platform.machine(), "processor": platform.processor(),
-            "cpus": os.cpu_count(), "loadavg": os.getloadavg(), "python": platform.python_version(),
-            "numpy": np.__version__, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "cpu_model": _cpu_model(), "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
+            "python": platform.python_version(), "numpy": np.__version__,
+            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def _cpu_model() -> str | None:
+    """The CPU's model name from ``/proc/cpuinfo`` (None where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def write_json(path: str, payload: Mapping[str, Any]) -> None:
