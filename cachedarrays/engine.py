@@ -132,11 +132,14 @@ class Completion:
         return self.finished - self.started
 
     def exposed(self) -> float:
-        """Seconds of this copy that a consumer waited for (host waits and GPU stream waits)."""
-        if not self.gpu_uses:
+        """Seconds of this copy that a consumer waited for (host waits and GPU stream waits), over
+        the stream waits whose consumers got there: a copier thread may add a wait while this runs,
+        and CUDA times only events that completed."""
+        uses = [use for use in list(self.gpu_uses) if use.done]
+        if not uses:
             return self.waited
         from .devices.gpu import elapsed
-        gpu = max((max(0.0, elapsed(use, self.cuda_end)) for use in self.gpu_uses), default=0.0)
+        gpu = max(max(0.0, elapsed(use, self.cuda_end)) for use in uses)
         return max(self.waited, gpu)
 
 

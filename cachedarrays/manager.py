@@ -901,7 +901,7 @@ class Manager:
             if not completion.done():
                 keep.append(entry)
                 continue
-            if completion.gpu_uses and not all(e.done for e in completion.gpu_uses):
+            if not all(e.done for e in list(completion.gpu_uses)):
                 keep.append(entry)  # the exposed time is known once the consumer got there
                 continue
             self.telemetry_data.timed(src.device, dst.device, completion.duration(), completion.exposed())

@@ -176,3 +176,32 @@ def test_a_stream_waits_for_running_copies_and_makes_its_telemetry_mark_only_for
     gpu.wait_on_stream([finished, running, other], stream, make_mark)
     assert len(made) == 1 and running.gpu_uses == other.gpu_uses == made
     assert stream.waited == [running.cuda_end, other.cuda_end]
+
+
+def test_exposed_copy_time_counts_only_stream_waits_that_were_reached(monkeypatch):
+    """A copy's exposed time is read from the events of the stream waits after it, and CUDA times
+    only completed events: a wait a copier thread adds after the copy was found reaped (its consumer
+    not there yet) is left out rather than timed (timing it raised cudaErrorNotReady)."""
+    from cachedarrays.devices import gpu
+    from cachedarrays.engine import Completion
+
+    class Event:
+        def __init__(self, t, done=True):
+            self.t, self.done = t, done
+
+    timed = []
+
+    def elapsed(start, end):
+        if not (start.done and end.done):
+            raise RuntimeError("cudaErrorNotReady: device not ready")
+        timed.append(start)
+        return end.t - start.t
+
+    monkeypatch.setattr(gpu, "elapsed", elapsed)
+    c = Completion("DRAM", "GPU", 64)
+    c.finish(cuda_start=Event(0.0), cuda_end=Event(5.0))
+    reached, later = Event(2.0), Event(1.0, done=False)
+    c.gpu_uses += [reached, later]
+    assert c.exposed() == 3.0 and timed == [reached]
+    c.waited = 4.0  # a host wait longer than any stream's
+    assert c.exposed() == 4.0
