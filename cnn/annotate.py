@@ -5,7 +5,11 @@ without P ignores it), run the layer under `noescape` (temporaries it made are
 freed at once), then `softevict` inputs and weights: they are the first to go
 if room is needed before the backward pass wants them again.
 
-Backward: prefetch what the backward kernel reads (saved activations, the
+Backward: the order of the backward pass is known before it runs, so once a layer's
+backward kernel is dispatched the next layer's saved activations and weights are
+prefetched into free fast memory (`Annotations.ahead`): their copies run beside
+this layer's kernel instead of in front of the next one's.  Then, at the next layer: prefetch what the
+backward kernel reads (saved activations, the
 incoming gradient, the weights, the gradients it adds into), run it under
 `noescape`, then `cleanup` what is now dead — the layer's output, its saved
 activations and the incoming gradient — `preserve`-ing the layer's inputs,
@@ -33,12 +37,13 @@ from .layers import Layer
 class Annotations:
     """Wraps `Layer.forward` / `Layer.backward` with hints; ``enabled=False`` gives the bare program."""
 
-    def __init__(self, manager: Manager, enabled: bool = True, granularity: str = "layer"):
+    def __init__(self, manager: Manager, enabled: bool = True, granularity: str = "layer", ahead: bool = True):
         if granularity not in ("layer", "block"):
             raise ValueError(f"granularity must be 'layer' or 'block', got {granularity!r}")
         self.m = manager
         self.enabled = enabled
         self.granularity = granularity
+        self.look_ahead = ahead
 
     def forward(self, ex: Executor, layer: Layer, xs: Sequence) -> tuple:
         """``(y, saved)`` of ``layer`` on ``xs``, annotated."""
@@ -59,6 +64,14 @@ class Annotations:
         out = noescape(self.m, layer.backward, ex, dy, saved, need, into)
         softevict(layer.params)
         return out
+
+    def ahead(self, layer: Layer, saved: tuple) -> None:
+        """Prefetch what ``layer``'s backward kernel reads besides gradients, its saved tensors and
+        weights, while the kernel dispatched before it runs: called with the layer whose backward
+        comes next. Into free room only: forcing it, on a GPU, evicted for copies that moved more
+        bytes than they hid; `backward` forces what is still missing when the layer runs."""
+        if self.enabled and self.look_ahead:
+            prefetch(saved, layer.params, force=False)
 
     def release_dead(self, dead: Any, keep: Any) -> int:
         """`cleanup` ``dead`` except what ``keep`` holds (a tree, or a `Preserved` set of object

@@ -164,6 +164,7 @@ class Tape:
                 pgrads.add(p.object.id, dp)
             dead = (node.output, node.saved, dy, dxs)
             self.retained.append((dy, dxs, dps))  # a tracing GC would not see these die before it runs
+            self._ahead(i, grads)
             inputs: tuple | list = node.inputs
             if block and node.scope is not None:
                 deferred.append(node)
@@ -181,6 +182,15 @@ class Tape:
             self.ann.release_dead(dead, keep)
         order = list(reversed(list(params)))
         return [(params[k], pgrads.grads[k]) for k in order]
+
+    def _ahead(self, i: int, grads: GradStore) -> None:
+        """`Annotations.ahead` for the node whose backward follows node ``i``'s: the first one before
+        it whose output has a gradient by now."""
+        for j in range(i - 1, -1, -1):
+            node = self.nodes[j]
+            if node.output.object.id in grads.grads:
+                self.ann.ahead(node.layer, node.saved)
+                return
 
 
 class _Token:

@@ -229,6 +229,39 @@ def test_every_mode_matches_dram_loss_at_the_smallest_budget(family):
             assert r.dram_to_pm_bytes > 0, f"{mode} at the smallest budget must evict something"
 
 
+def test_backward_prefetches_the_next_layer_while_the_current_one_runs(monkeypatch):
+    """`Tape.backward` hands `Annotations.ahead` the layer whose backward kernel comes next, once
+    the current one is dispatched; under caLMP at half the footprint it brings saved tensors up
+    early, and it only moves bytes: the losses are those of a run without it."""
+    cfg, fp = TINY["densenet"], footprint("densenet")
+    calls, early = [], []
+    ahead, backward = Annotations.ahead, Annotations.backward
+
+    def logged_ahead(self, layer, saved):
+        arrays = [x for x in (*saved, *layer.params) if isinstance(x, CachedArray)]
+        before = [x.policy.in_fast(x.object) for x in arrays]
+        ahead(self, layer, saved)
+        early.extend(not b and x.policy.in_fast(x.object) for x, b in zip(arrays, before))
+        calls.append(("ahead", layer))
+
+    def logged_backward(self, ex, layer, *args, **kwargs):
+        calls.append(("backward", layer))
+        return backward(self, ex, layer, *args, **kwargs)
+
+    monkeypatch.setattr(Annotations, "ahead", logged_ahead)
+    monkeypatch.setattr(Annotations, "backward", logged_backward)
+    on = [r.loss for r in run_mode(cfg, "caLMP", "50%", 2, fp).records]
+    for (kind, layer), following in zip(calls, calls[1:]):
+        if kind == "ahead":
+            assert following == ("backward", layer)
+    kinds = [kind for kind, _ in calls]
+    passes = sum(kind == "backward" and isinstance(layer, SoftmaxCrossEntropy) for kind, layer in calls)
+    assert passes >= 2 and kinds.count("ahead") == kinds.count("backward") - passes  # none before the loss's
+    assert any(early)
+    monkeypatch.setattr(Annotations, "ahead", lambda self, layer, saved: None)
+    assert [r.loss for r in run_mode(cfg, "caLMP", "50%", 2, fp).records] == on
+
+
 def test_learned_prefetch_learns_the_training_step_and_reports_coverage_and_accuracy():
     """Step 0 is learned (nothing predicted: every miss is fetched on use); from step 1 on, the
     look-ahead prefetches at least each next use's object, and the report says how well."""
