@@ -144,8 +144,8 @@ def run_ours(cfg, fp, mode: str, budget: int | None, steps: int, warmup: int, pm
     steady = run.records[warmup:]
     med = lambda f: statistics.median(f(r) for r in steady)  # noqa: E731
     last = steady[-1]
-    return {"seconds": med(lambda r: r.seconds), "step_seconds": [r.seconds for r in steady], "to_slow": med(lambda r: r.dram_to_pm_bytes),
-            "to_fast": med(lambda r: r.pm_to_dram_bytes), "hidden": med(lambda r: max(
+    return {"seconds": med(lambda r: r.seconds), "step_seconds": [r.seconds for r in steady],
+            "to_slow": med(lambda r: r.dram_to_pm_bytes), "to_fast": med(lambda r: r.pm_to_dram_bytes), "hidden": med(lambda r: max(
                 0.0, r.measured_movement_seconds - r.exposed_movement_seconds)),
             "exposed": med(lambda r: r.exposed_movement_seconds), "coverage": last.coverage,
             "accuracy": last.prefetch_accuracy, "peak": max(r.peak_fast_bytes for r in steady),
@@ -201,8 +201,8 @@ def run_jax(cfg, variant: str, steps: int, warmup: int) -> dict:
                 times.append(time.perf_counter() - t0)
             stats = jax.devices()[0].memory_stats() or {}
             del params, momenta
-            return {"seconds": statistics.median(times[warmup:]), "step_seconds": times[warmup:], "planned": planned,
-                    "host_temp": getattr(mem, "host_temp_size_in_bytes", None),
+            return {"seconds": statistics.median(times[warmup:]), "step_seconds": times[warmup:],
+                    "planned": planned, "host_temp": getattr(mem, "host_temp_size_in_bytes", None),
                     "process_peak": stats.get("peak_bytes_in_use"), "losses": losses}
     except Exception as e:
         return {"error": f"{type(e).__name__}: {str(e)[:300]}"}

@@ -5,11 +5,7 @@ without P ignores it), run the layer under `noescape` (temporaries it made are
 freed at once), then `softevict` inputs and weights: they are the first to go
 if room is needed before the backward pass wants them again.
 
-Backward: the order of the backward pass is known before it runs, so once a layer's
-backward kernel is dispatched the next layer's saved activations and weights are
-prefetched into free fast memory (`Annotations.ahead`): their copies run beside
-this layer's kernel instead of in front of the next one's.  Then, at the next layer: prefetch what the
-backward kernel reads (saved activations, the
+Backward: prefetch what the backward kernel reads (saved activations, the
 incoming gradient, the weights, the gradients it adds into), run it under
 `noescape`, then `cleanup` what is now dead — the layer's output, its saved
 activations and the incoming gradient — `preserve`-ing the layer's inputs,
@@ -19,6 +15,11 @@ data flow, residual and dense blocks included.  With ``granularity="block"``
 the cleanup of nodes inside a block (a tape scope) is deferred until the whole
 block's backward is done, which is how the dissertation annotated ResNet and
 DenseNet; ``"layer"`` (default) frees sooner.
+
+The order of the backward pass is known before it runs, so once a layer's backward
+kernel is dispatched the next layer's saved activations and weights are prefetched
+into free fast memory (`Annotations.ahead`): their copies run beside this layer's
+kernel instead of in front of the next one's.
 
 A policy without M ignores every free, so the same annotated program runs in
 every mode of Table 4.7; what changes is the policy.
