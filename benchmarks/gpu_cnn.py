@@ -49,6 +49,11 @@ for the same model recomputing batch norm + ReLU outputs in backward (``caLMP, r
 MemFerry's trade of compute for traffic; ``--no-recompute`` leaves them out), whose footprint is
 smaller.  A target above the first bound cannot be met by any policy over these objects.
 
+CUDA managed memory is not run (oversubscribing it can hang a shared GPU); DeepUM, the learned
+prefetcher over it, is compared on paper (:func:`on_paper`): its published ResNet times against
+naive unified memory and IBM LMS (tensor swapping) beside the same ratios of the analogous rows
+here, cap against 2lm (whole objects on demand) and against caLMP (program-directed swapping).
+
 Targets: at 2x the budget, cap or caLMP >= 0.9x whole-jit's speed; at 4x >= 0.75x; at both, cap and
 caLMP faster than remat; ours all in HBM >= 0.9x whole-jit; whole-jit step >= 100 ms.  Rows print as
 they finish and ``results/gpu_cnn.json`` is rewritten after each model and ratio, so a run cut short
@@ -81,6 +86,11 @@ BARE_COPIES = "bare + output copies"  # and the GPU time of ours' copies of outp
 RECOMPUTE = ", recompute"  # the rows of the model that recomputes batch norm + ReLU outputs (``--recompute``)
 TARGET_AT = {2: 0.9, 4: 0.75}
 TARGET_HBM = 0.9
+# DeepUM (ASPLOS '23), Figure 9(b): seconds for 100 training iterations on one V100 32GB (PCIe 3), by
+# batch size: naive CUDA unified memory, IBM LMS (tensor-level swapping; None: out of memory), DeepUM
+DEEPUM = {"ResNet-152": {1280: (31002, 3926, 3922), 1536: (38173, 4754, 4767), 1792: (49283, None, 5965)},
+          "ResNet-200": {1024: (32420, 4560, 4585), 1280: (44900, 5470, 5835), 1536: (57302, 7187, 7235)}}
+DEEPUM_AVERAGE = (3.06, 1.11)  # its average speedup over naive UM and over LMS, all nine models (Section 6.2)
 TARGET_MS = 100
 
 
@@ -254,6 +264,29 @@ def carried_bytes(cfg, fp) -> int:
     """The bytes live at the high-water mark that the step did not make: weights and optimiser
     state (``fp.persistent``) and the input batch (float32 images, int32 labels)."""
     return fp.persistent + 4 * cfg.batch * (cfg.channels * cfg.image * cfg.image + 1)
+
+
+def on_paper(rows: dict, ratio: int) -> dict:
+    """DeepUM's published speedups (`DEEPUM`) beside the analogous ones of this run at ``ratio``:
+    learned prefetch (DeepUM; cap) over movement on demand without prefetching (naive unified
+    memory; 2lm) and over program-directed tensor swapping (LMS; caLMP). Speedups are time ratios;
+    a row that did not run gives None."""
+    def speedup(slow: str, fast: str) -> float | None:
+        a, b = rows.get(f"{slow} {ratio}x", {}), rows.get(f"{fast} {ratio}x", {})
+        return a["seconds"] / b["seconds"] if a.get("seconds") and b.get("seconds") else None
+    over_um = [um / deepum for runs in DEEPUM.values() for um, _, deepum in runs.values()]
+    over_lms = [lms / deepum for runs in DEEPUM.values() for _, lms, deepum in runs.values() if lms]
+    return {"deepum_over_um": (min(over_um), max(over_um)), "deepum_over_lms": (min(over_lms), max(over_lms)),
+            "deepum_average": DEEPUM_AVERAGE, "cap_over_2lm": speedup("2lm", "cap"),
+            "cap_over_caLMP": speedup("caLMP", "cap")}
+
+
+def on_paper_line(p: dict) -> str:
+    fmt = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
+    return (f"on paper, DeepUM (V100, published): ResNet-152/200 {p['deepum_over_um'][0]:.1f}-"
+            f"{p['deepum_over_um'][1]:.1f}x naive unified memory, {p['deepum_over_lms'][0]:.2f}-"
+            f"{p['deepum_over_lms'][1]:.2f}x LMS (all its models: {p['deepum_average'][0]:.2f}x, "
+            f"{p['deepum_average'][1]:.2f}x); here cap {fmt(p['cap_over_2lm'])} 2lm, {fmt(p['cap_over_caLMP'])} caLMP")
 
 
 def table_row(name: str, r: dict, base: float | None, link: float) -> list:
@@ -470,6 +503,8 @@ def main(argv=None) -> int:
                           f"it every step = {1e3 * bound_seconds(*args_):.1f} ms -> "
                           f"{bound_speed(base, *args_):.2f}x whole-jit (up alone: "
                           f"{1e3 * bound_seconds(*args_[:3]):.1f} ms)", flush=True)
+            paper = run.setdefault("on_paper", {})[ratio] = on_paper(rows, ratio)
+            print("  " + on_paper_line(paper), flush=True)
             targets.update(ratio_targets(name, ratio, {**rows, **{m: rows[f"{m} {ratio}x"] for m in OUR_MODES}},
                                          base, link, bound_speed(base, fp.footprint, budgets[ratio], link, link_down,
                                                                  carried_bytes(cfg, fp)) if known else None))

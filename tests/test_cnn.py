@@ -517,6 +517,21 @@ def test_every_model_the_gpu_benchmark_names_builds(table):
             assert model.info["family"] == spec["family"] == name and model.param_bytes > 0
 
 
+def test_the_gpu_benchmark_compares_with_deepum_on_paper():
+    """DeepUM runs over CUDA managed memory, which the benchmark does not run: its published ResNet
+    times (Figure 9(b)) give its speedups over naive unified memory and over LMS, which are set
+    beside this run's analogues, cap over 2lm and cap over caLMP at the same ratio."""
+    from benchmarks import gpu_cnn
+    rows = {"2lm 2x": {"seconds": 0.8}, "cap 2x": {"seconds": 0.4}, "caLMP 2x": {"seconds": 0.2}}
+    p = gpu_cnn.on_paper(rows, 2)
+    assert p["deepum_over_um"] == pytest.approx((32420 / 4585, 49283 / 5965))
+    assert p["deepum_over_lms"] == pytest.approx((5470 / 5835, 3926 / 3922))  # batch 1792: LMS ran out of memory
+    assert (p["cap_over_2lm"], p["cap_over_caLMP"]) == (2.0, 0.5)
+    assert gpu_cnn.on_paper(rows, 4)["cap_over_2lm"] is None  # no 4x rows
+    line = gpu_cnn.on_paper_line(p)
+    assert "7.1-8.3x naive unified memory" in line and "cap 2.00x 2lm, 0.50x caLMP" in line
+
+
 def test_the_gpu_benchmark_names_the_traffic_no_policy_can_avoid():
     """At the high-water mark every live byte is read again, so all but the budget's worth must come
     up the link after it, and what of that the step made went down before it: that bound caps the
