@@ -390,9 +390,10 @@ def main(argv=None) -> int:
     gpu, size = args.device == "gpu", 64 * MiB if args.quick else 256 * MiB
     link = measure_link(size) if gpu else float("nan")
     link_down = measure_link(size, down=True) if gpu else float("nan")
+    env = environment()
     print(f"target footprint {footprint / GiB:.2f} GiB; bandwidth measured now: host->GPU {link / 1e9:.1f} GB/s, "
-          f"GPU->host {link_down / 1e9:.1f} GB/s; host CPU {environment()['cpu_model']}", flush=True)
-    results, targets = {"environment": environment(), "link_bytes_per_second": link,
+          f"GPU->host {link_down / 1e9:.1f} GB/s; host CPU {env['cpu_model']}", flush=True)
+    results, targets = {"environment": env, "link_bytes_per_second": link,
                         "link_down_bytes_per_second": link_down, "runs": []}, {}
     for name in names:
         cfg, fp = choose(specs[name], footprint, args.pm_dir, args.device)

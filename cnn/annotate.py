@@ -38,13 +38,13 @@ from .layers import Layer
 class Annotations:
     """Wraps `Layer.forward` / `Layer.backward` with hints; ``enabled=False`` gives the bare program."""
 
-    def __init__(self, manager: Manager, enabled: bool = True, granularity: str = "layer", ahead: bool = True):
+    def __init__(self, manager: Manager, enabled: bool = True, granularity: str = "layer", look_ahead: bool = True):
         if granularity not in ("layer", "block"):
             raise ValueError(f"granularity must be 'layer' or 'block', got {granularity!r}")
         self.m = manager
         self.enabled = enabled
         self.granularity = granularity
-        self.look_ahead = ahead
+        self.look_ahead = look_ahead  # `ahead` prefetches (False: only at each layer's own call)
 
     def forward(self, ex: Executor, layer: Layer, xs: Sequence) -> tuple:
         """``(y, saved)`` of ``layer`` on ``xs``, annotated."""

@@ -320,8 +320,10 @@ def _signature(layer: Layer) -> tuple:
         return ("conv_bn", layer.conv.stride, layer.conv.pad, layer.static["relu"])
     if isinstance(layer, BNReLUConv):
         return ("bn_relu_conv", layer.conv.stride, layer.conv.pad)
-    if isinstance(layer, (BNReLU, BatchNorm)):
-        return ("bn_relu",) if isinstance(layer, BNReLU) else ("bn",)
+    if isinstance(layer, BNReLU):
+        return ("bn_relu",)
+    if isinstance(layer, BatchNorm):
+        return ("bn",)
     raise TypeError(f"{layer!r} cannot be a member of a chain: its members are one-input layers "
                     f"({', '.join(kind.__name__ for kind in CHAINABLE)})")
 

@@ -73,7 +73,7 @@ class Trainer:
         self.opt = SGD(self.model.params, cfg.lr, cfg.momentum)
         self.loss_layer = SoftmaxCrossEntropy()
         self.plan = plan_last_uses(self.model.forward, self.loss_layer)
-        self._batch: tuple[CachedArray, CachedArray] | None = None
+        self._batch: tuple | None = None  # the uploaded batch (`Executor.upload`) until `run` places it
         self.m.collect()
 
     def step(self, x_np: np.ndarray, y_np: np.ndarray) -> float:
