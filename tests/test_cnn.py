@@ -339,6 +339,47 @@ def test_chains_refuse_what_they_cannot_run(manager):
         block.forward(Executor(manager), x, x)
 
 
+@pytest.mark.parametrize("identity", [True, False])
+def test_a_residual_block_in_one_kernel_computes_what_its_separate_layers_do(identity, manager):
+    """`ResidualChain` against its main path (`Chain`) and join (`AddReLU`) run apart: the same
+    output, and in backward the same weight gradients and shortcut gradient, with the block
+    input's gradient (both paths' summed for an identity shortcut) and without it (the kernel that
+    skips it, which no model reaches: a block's input is always made by an earlier layer)."""
+    from cnn.layers import AddReLU, BatchNorm, BNReLU, Chain, Conv2D, ResidualChain
+    rng = np.random.default_rng(1)
+    c = 3
+    chain = Chain([Conv2D(manager, rng, c, c, 1), BNReLU(BatchNorm(manager, c)), Conv2D(manager, rng, c, c, 3)])
+    block = ResidualChain(chain, AddReLU(), identity=identity)
+    ex = Executor(manager)
+    x = CachedArray(rng.standard_normal((2, 4, 4, c), dtype=np.float32), manager)
+    s = CachedArray(rng.standard_normal((2, 4, 4, c), dtype=np.float32), manager)
+    dy = CachedArray(rng.standard_normal((2, 4, 4, c), dtype=np.float32), manager)
+    shortcut = () if identity else (s,)
+    host = lambda xs: [None if a is None else np.asarray(a) for a in xs]  # noqa: E731
+
+    h, saved_chain = chain.forward(ex, x)
+    y_ref, saved_join = AddReLU().forward(ex, h, x if identity else s)
+    (dh, _), _ = AddReLU().backward(ex, dy, saved_join, [True, True])
+    (dx_main,), dps_ref = chain.backward(ex, dh, saved_chain, [True])
+    dx_ref = np.asarray(dx_main) + (np.asarray(dh) if identity else 0)
+
+    y, saved = block.forward(ex, x, *shortcut)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-6)
+    dxs, dps = block.backward(ex, dy, saved, [True] * (1 + len(shortcut)))
+    np.testing.assert_allclose(np.asarray(dxs[0]), dx_ref, rtol=1e-4, atol=1e-5)
+    if not identity:
+        np.testing.assert_allclose(np.asarray(dxs[1]), np.asarray(dh), rtol=1e-5, atol=1e-6)
+    for got, want in zip(host(dps), host(dps_ref), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+    dxs_w, dps_w = block.backward(ex, dy, saved, [False] * (1 + len(shortcut)))
+    assert dxs_w[0] is None
+    if not identity:
+        np.testing.assert_allclose(np.asarray(dxs_w[1]), np.asarray(dh), rtol=1e-5, atol=1e-6)
+    for got, want in zip(host(dps_w), host(dps), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_dram_mode_moves_nothing_and_cleanup_shrinks_traffic():
     cfg, fp = TINY["resnet"], footprint("resnet")
     assert all(r.dram_to_pm_bytes == 0 and r.pm_to_dram_bytes == 0 for r in run_mode(cfg, "dram", None, 1, fp).records)
