@@ -155,8 +155,8 @@ def run_ours(cfg, fp, mode: str, budget: int | None, steps: int, warmup: int, pm
     med = lambda f: statistics.median(f(r) for r in steady)  # noqa: E731
     last = steady[-1]
     return {"seconds": med(lambda r: r.seconds), "step_seconds": [r.seconds for r in steady],
-            "to_slow": med(lambda r: r.dram_to_pm_bytes), "to_fast": med(lambda r: r.pm_to_dram_bytes), "hidden": med(lambda r: max(
-                0.0, r.measured_movement_seconds - r.exposed_movement_seconds)),
+            "to_slow": med(lambda r: r.dram_to_pm_bytes), "to_fast": med(lambda r: r.pm_to_dram_bytes),
+            "hidden": med(lambda r: max(0.0, r.measured_movement_seconds - r.exposed_movement_seconds)),
             "exposed": med(lambda r: r.exposed_movement_seconds), "coverage": last.coverage,
             "accuracy": last.prefetch_accuracy, "peak": max(r.peak_fast_bytes for r in steady),
             "capacity": last.fast_capacity, "losses": [r.loss for r in run.records],
