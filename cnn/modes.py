@@ -115,8 +115,8 @@ def fast_limit(device: str, share: float = 0.9) -> int | None:
     """The largest fast level ``device`` can have now: ``share`` of the free GPU memory, None on the CPU."""
     if device != "gpu":
         return None
-    from cachedarrays.devices.gpu import cupy
-    free, _ = cupy().cuda.runtime.memGetInfo()
+    from cachedarrays.devices.gpu import memory_info
+    free, _ = memory_info()
     return int(share * free) // 4096 * 4096
 
 

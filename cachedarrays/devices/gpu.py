@@ -61,6 +61,18 @@ def cupy():
     return cp
 
 
+def memory_info(device: int | None = None) -> tuple[int, int]:
+    """(free, total) bytes of CUDA device ``device`` (None: the current one), outside every
+    allocation: what a new heap or budget can still take."""
+    cp = cupy()
+    if device is None:
+        free, total = cp.cuda.runtime.memGetInfo()
+    else:
+        with cp.cuda.Device(device):
+            free, total = cp.cuda.runtime.memGetInfo()
+    return int(free), int(total)
+
+
 def available() -> bool:
     """Whether a `GPU` device can be created here."""
     try:
@@ -87,11 +99,11 @@ class GPU(Device):
         if not 0 <= device < count:
             raise DeviceUnavailableError(f"no CUDA device {device}: this machine has {count} (0..{count - 1})")
         nbytes = parse_size(capacity)
+        free, total = memory_info(device)
+        if nbytes > free:
+            raise OutOfMemoryError(f"GPU capacity {format_size(nbytes)} is larger than the free memory of "
+                                   f"cuda:{device} ({format_size(free)} free of {format_size(total)})")
         with cp.cuda.Device(device):
-            free, total = cp.cuda.runtime.memGetInfo()
-            if nbytes > free:
-                raise OutOfMemoryError(f"GPU capacity {format_size(nbytes)} is larger than the free memory of "
-                                       f"cuda:{device} ({format_size(free)} free of {format_size(total)})")
             self._memory = cp.cuda.Memory(nbytes)  # not CuPy's pool: the heap sub-allocates
             buffer = cp.ndarray((nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(self._memory, 0))
         self.index = device
@@ -103,9 +115,7 @@ class GPU(Device):
 
     def free_memory(self) -> int:
         """Bytes of this CUDA device's memory free now, outside every allocation (this heap's included)."""
-        cp = cupy()
-        with cp.cuda.Device(self.index):
-            return int(cp.cuda.runtime.memGetInfo()[0])
+        return memory_info(self.index)[0]
 
     def defragment(self, move_callback):
         cp = cupy()
