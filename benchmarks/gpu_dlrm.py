@@ -798,9 +798,10 @@ def main(argv=None) -> int:
     p.add_argument("--shrink", type=int, default=10, help="part 1: the in-HBM tables have rows / SHRINK rows")
     p.add_argument("--steps", type=int, default=0,
                    help="part 1: distinct batches (at least enough that ours never sees one twice)")
-    p.add_argument("--warm-steps", type=int, default=300,
+    p.add_argument("--warm-steps", type=int, default=2000,
                    help="part 1: untimed steps of ours on fresh batches before timing (enough for the cache to "
-                        "fill and churn, and for lfu's counts of use to tell the hot rows)")
+                        "fill and churn, and for lfu's counts of use to tell the hot rows: 84.0%% hits after 300 "
+                        "steps, 84.9%% after 2000 on the default tables)")
     p.add_argument("--rounds", type=int, default=9, help="alternating rounds (medians reported)")
     p.add_argument("--per-round", type=int, default=6, help="steps per round and trainer")
     p.add_argument("--torch-per-round", type=int, default=1, help="part 1: steps per round of the torch CPU baseline")
