@@ -80,6 +80,10 @@ class GradStore:
                 seen.add(key)
         return tuple(out)
 
+    def __contains__(self, key: int) -> bool:
+        """Whether tensor ``key`` has a gradient so far."""
+        return key in self.grads
+
     def pop(self, key: int) -> CachedArray | None:
         g = self.grads.pop(key, None)
         if g is not None:
@@ -188,7 +192,7 @@ class Tape:
         it whose output has a gradient by now."""
         for j in range(i - 1, -1, -1):
             node = self.nodes[j]
-            if node.output.object.id in grads.grads:
+            if node.output.object.id in grads:
                 self.ann.ahead(node.layer, node.saved)
                 return
 
