@@ -586,6 +586,67 @@ def test_rows_sent_home_are_scattered_after_the_placements_own_gather(monkeypatc
     assert np.array_equal(contents(t), ref.W)
 
 
+@pytest.mark.parametrize("reads", ["staged", "split"])
+def test_the_cpu_threads_start_gathering_before_the_write_back_is_queued(monkeypatch, reads):
+    """A placement's CPU threads, the longest part of its read, start on the rows coming in as
+    soon as the host knows them, before the device work of the write-back and the read is
+    queued; every lookup still equals the uncached table."""
+    rng = np.random.default_rng(21)
+    W0 = rng.standard_normal((N, F)).astype(np.float32)
+    t, ref = make(W0, host_manager(), cache_rows=40, ways=4, reads=reads, name="t"), Reference(W0)
+    t.read_share = 0.5
+    log = []
+    gather, block = LG.gather_signalled, LG.gather
+    monkeypatch.setattr(LG, "gather_signalled", lambda *a, **kw: log.append("threads gather") or gather(*a, **kw))
+    monkeypatch.setattr(LG, "gather", lambda *a, **kw: log.append("write-back queued") or block(*a, **kw))
+    both = 0
+    for step in range(6):
+        idx = zipf_batch(rng, 16, 5)
+        log.clear()
+        assert np.array_equal(_host(E.lookup(t, idx)), ref.lookup(idx))
+        if "threads gather" in log and "write-back queued" in log:
+            both += 1
+            assert log.index("threads gather") < log.index("write-back queued"), log
+        g = rng.standard_normal((16, F)).astype(np.float32)
+        E.pullback(t, g, idx, optimizer=E.SGD(0.1))
+        ref.pullback(g, idx, optimizer=E.SGD(0.1))
+    assert both >= 2
+    t.check()
+
+
+def test_a_write_back_that_fails_after_the_gather_began_waits_for_its_threads_and_moves_nothing(monkeypatch):
+    """Should the write-back fail once the CPU threads gather the incoming rows, the placement
+    waits for them (their block stays theirs until they end) and raises; no way changed, so
+    the table still equals the uncached one and stays usable."""
+    rng = np.random.default_rng(22)
+    W0 = rng.standard_normal((N, F)).astype(np.float32)
+    m = host_manager()
+    t, ref = make(W0, m, cache_rows=40, ways=4, reads="staged", name="t"), Reference(W0)
+    for step in range(3):  # dirty cached rows
+        idx = zipf_batch(rng, 16, 5)
+        E.lookup(t, idx)
+        E.pullback(t, np.ones((16, F), np.float32), idx, optimizer=E.SGD(0.1))
+        ref.pullback(np.ones((16, F), np.float32), idx, optimizer=E.SGD(0.1))
+    gather, later = LG.gather_signalled, LG.scatter_later
+    started = []
+    monkeypatch.setattr(LG, "gather_signalled", lambda *a, **kw: started.append(gather(*a, **kw)) or started[-1])
+
+    def broken(*a, **kw):
+        raise MemoryError("no thread for the rows going home")
+    monkeypatch.setattr(LG, "scatter_later", broken)
+    with pytest.raises(MemoryError, match="no thread for the rows going home"):
+        E.lookup(t, (zipf_batch(rng, 16, 5) + 200) % N)  # misses: dirty rows go home, new rows come in
+    assert started and all(f.done() for f in started[-1]._futures)
+    t.check()
+    assert np.array_equal(contents(t), ref.W)
+    monkeypatch.setattr(LG, "scatter_later", later)
+    idx = zipf_batch(rng, 16, 5)
+    assert np.array_equal(_host(E.lookup(t, idx)), ref.lookup(idx))
+    t.check()
+    t.writeback()
+    assert np.array_equal(base_rows(t), ref.W)
+
+
 ON_GPU = pytest.param("gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(not gpu_device.available(),
                                                                          reason="needs a CUDA GPU and CuPy")])
 
@@ -716,9 +777,16 @@ def test_the_lookup_of_a_prefetched_batch_in_the_same_memory_reads_no_index_agai
 
 
 @pytest.mark.parametrize("share", [0.0, 1.0])
-def test_a_split_read_with_an_empty_part_brings_every_row_and_keeps_its_share(share):
+def test_a_split_read_with_an_empty_part_brings_every_row_and_keeps_its_share(monkeypatch, share):
     """A share of 0 (CPU threads gather every row) or 1 (the GPU reads them all): every row still
-    comes in, and with one part empty no rate is measured, so the share stays."""
+    comes in, and with one part empty no rate is measured, so the share stays. The placement's
+    stream follows the end of the GPU's part in either case (the work after it, and the lookup,
+    must not run before the rows are in)."""
+    from embeddings.gpu.backend import ReferenceBackend
+    clocks, followed = [], []
+    follow = ReferenceBackend.follow
+    monkeypatch.setattr(ReferenceBackend, "clock", lambda self: clocks.append(object()) or clocks[-1])
+    monkeypatch.setattr(ReferenceBackend, "follow", lambda self, fence: followed.append(fence) or follow(self, fence))
     rng = np.random.default_rng(22)
     W0 = rng.standard_normal((N, F)).astype(np.float32)
     m = host_manager()
@@ -732,6 +800,7 @@ def test_a_split_read_with_an_empty_part_brings_every_row_and_keeps_its_share(sh
         ref.pullback(g, idx, optimizer=E.SGD(0.1))
         t.check()
     assert t.read_share == share
+    assert clocks and all(end in followed for end in clocks[1::2])
     t.writeback()
     assert np.array_equal(base_rows(t), ref.W)
     t.close()

@@ -429,7 +429,6 @@ def write_back(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, n: int) -> 
     Written one by one over PCIe by the GPU, random rows went no faster than random reads and
     not beside them (10-12 ms each way a step over 45 GB of tables on the H100): a step paid
     for both. Adagrad's accumulators (4 bytes a row) go home directly."""
-    drain(g.tables)
     be = g.tables[0].backend
     move(g, slot, tab, hrow, count, down=True, rows=False)
     if n == 0:
@@ -454,16 +453,43 @@ def write_back(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, n: int) -> 
 class Reading(NamedTuple):
     """What a staged or split read holds until the device has passed its copies
     (:func:`finish_read`): the CPU threads' gather, the page-locked block and flags they write,
-    the device block the pieces go up into, and the timing of the share read through mapped
-    addresses (``start``, ``end``; ``k`` rows) beside the gather of ``m``."""
+    the device block the pieces go up into, where the pieces are cut and how many threads
+    gather each, and the timing of the share read through mapped addresses (``start``,
+    ``end``, set once it is queued; ``k`` rows) beside the gather of ``m``."""
     gathering: Gathering
     block: np.ndarray
     flags: np.ndarray
     up: Any
+    cuts: np.ndarray
+    threads: int
     start: Any
     end: Any
     k: int
     m: int
+
+
+def start_gather(g: Group, n: int, htab: np.ndarray | None, hrows: np.ndarray | None) -> None:
+    """Start the CPU threads' part of a staged or split read of ``n`` rows (:func:`read`), the
+    rows after the share the GPU reads itself: they gather as soon as the host knows the rows
+    (``htab``, ``hrows``), before the placement's other launches, which the host memory's
+    traffic does not wait for (it is the longest part of a placement). Nothing under mapped
+    reads or when the GPU's share is every row; else :attr:`Group.reading`."""
+    if g.reads == "mapped" or n == 0:
+        return
+    k = round(g.tables[0].read_share * n) if g.reads == "split" else 0
+    m = n - k
+    if m == 0:
+        return
+    be = g.tables[0].backend
+    F = g.tables[0]._W.shape[1]
+    block, up = be.bounce((m, F), np.float32), be.xp.empty((m, F), np.float32)
+    cuts = np.linspace(0, m, max(1, min(READ_PIECES, m // READ_PIECE_ROWS)) + 1).astype(np.int64)
+    threads = max(1, min(THREADS, m // READ_PIECE_ROWS))
+    flags = be.bounce(((cuts.size - 1) * threads,), np.int64)
+    g.err = be.xp.zeros(1, np.int32)
+    gathering = gather_signalled([tb._base for tb in g.tables], htab[k:n], hrows[k:n], block, cuts, flags,
+                                 done=g.gathered.set)  # the rows going home may go now, not when the read is done
+    g.reading = Reading(gathering, block, flags, up, cuts, threads, None, None, k, m)
 
 
 def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, n: int, htab: np.ndarray | None,
@@ -472,8 +498,9 @@ def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, n: int, htab: np.
     of table ``tab[j]`` into its slot ``slot[j]`` (grouped by table, host-address order within each), as the tables'
     ``reads`` says. Mapped reads: the GPU reads each row through its mapped host address.
     Staged reads: CPU threads gather the rows into one page-locked block
-    (:func:`~embeddings.kernels.signalled.gather_signalled`, which finds the tables and rows of the
-    first ``n`` moves in ``htab`` and ``hrows`` on the host) in up to :data:`READ_PIECES` pieces,
+    (:func:`start_gather`, which :func:`place_front` calls before this: :func:`~embeddings.kernels.
+    signalled.gather_signalled` finds the tables and rows of the first ``n`` moves in ``htab`` and
+    ``hrows`` on the host) in up to :data:`READ_PIECES` pieces,
     and the device copies each piece up and puts its rows into their slots as soon as the
     threads' flags say it is gathered (:meth:`~.backend.CudaBackend.wait_flags`): every copy and
     put is queued as soon as the gathering threads run without the GIL, so no host thread stands
@@ -496,29 +523,21 @@ def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, n: int, htab: np.
     be = g.tables[0].backend
     if n == 0:
         return
-    k = round(g.tables[0].read_share * n) if g.reads == "split" else 0
+    r = g.reading
+    k = n if r is None else r.k
     with be.aside(1):  # not behind the copy home on lane 0
         start = be.clock()
         move(g, slot[:k], tab[:k], hrow[:k], count, down=False, state=False)
         end = be.clock()
-    m = n - k
-    if m == 0:
-        return
-    F = g.tables[0]._W.shape[1]
-    block, up = be.bounce((m, F), np.float32), be.xp.empty((m, F), np.float32)
-    cuts = np.linspace(0, m, max(1, min(READ_PIECES, m // READ_PIECE_ROWS)) + 1).astype(np.int64)
-    threads = max(1, min(THREADS, m // READ_PIECE_ROWS))
-    flags = be.bounce(((cuts.size - 1) * threads,), np.int64)
-    g.err = be.xp.zeros(1, np.int32)
-    gathering = gather_signalled([tb._base for tb in g.tables], htab[k:n], hrows[k:n], block, cuts, flags,
-                                 done=g.gathered.set)  # the rows going home may go now, not when the read is done
-    g.reading = Reading(gathering, block, flags, up, start, end, k, m)
-    if not gathering.running():  # a share still queued needs the GIL, which a wait for the device may hold
-        gathering.join()  # so the device waits only once every flag is set
-    for p, (a, b) in enumerate(zip(cuts[:-1].tolist(), cuts[1:].tolist())):
-        be.wait_flags(flags[p * threads:(p + 1) * threads], g.err)
-        be.upload(up[a:b], block[a:b])
-        put(g, slot[k + a:k + b], tab[k + a:k + b], up[a:b], g.err)
+    if r is not None:
+        g.reading = r = r._replace(start=start, end=end)
+        if not r.gathering.running():  # a share still queued needs the GIL, which a wait for the device may hold
+            r.gathering.join()  # so the device waits only once every flag is set
+        th = r.threads
+        for p, (a, b) in enumerate(zip(r.cuts[:-1].tolist(), r.cuts[1:].tolist())):
+            be.wait_flags(r.flags[p * th:(p + 1) * th], g.err)
+            be.upload(r.up[a:b], r.block[a:b])
+            put(g, slot[k + a:k + b], tab[k + a:k + b], r.up[a:b], g.err)
     be.follow(end)
 
 
@@ -783,20 +802,48 @@ def ran(g: Group, f: Front) -> Front:
 
 def place_front(g: Group, f: Front) -> Front:
     """The rest of :func:`place` after its :func:`front` has run (:func:`ran`): the rows move and
-    the ways settle."""
+    the ways settle. The CPU threads start gathering the rows coming in first (:func:`start_gather`),
+    once the rows the last placement sent home are in their host tables, and the device work
+    of the write-back and the read is queued while they gather."""
     back, coming = int(f.host.cnt[0]), int(f.host.cnt[1])
-    write_back(g, f.wslot, f.wtab, f.wrow, f.cnt[0:1], back)
+    drain(g.tables)
+    try:
+        start_gather(g, coming, f.host.tab, f.host.row)
+    except BaseException:
+        write_back(g, f.wslot, f.wtab, f.wrow, f.cnt[0:1], back)  # the rows going home go all the same
+        _read_failed(g, f)
+        raise
+    try:
+        write_back(g, f.wslot, f.wtab, f.wrow, f.cnt[0:1], back)
+    except BaseException:
+        _abandon_gather(g)  # nothing moved: the ways keep what they hold
+        raise
     try:
         read(g, f.rslot, f.rtab, f.rrow, f.cnt[1:2], coming, f.host.tab, f.host.row)
     except BaseException:
-        g.gathered.set()  # the rows going home wait no longer than a read that failed
-        g.err = g.tables[0].backend.xp.ones(1, np.int32)
-        settle(g, f.row, f.victim, f.tid)  # the ways it was filling are emptied (their rows have gone home)
+        _read_failed(g, f)
         raise
     if g.reading is None:
-        g.gathered.set()  # nor longer than a read that gathers nothing on the host
+        g.gathered.set()  # the rows going home wait no longer than a read that gathers nothing on the host
     settle(g, f.row, f.victim, f.tid)
     return f
+
+
+def _abandon_gather(g: Group) -> None:
+    """Wait for the CPU threads of a read that will not be used (its block stays allocated until
+    they are done) and forget it."""
+    if g.reading is not None:
+        g.reading.gathering.join()
+        g.reading = None
+    g.gathered.set()
+
+
+def _read_failed(g: Group, f: Front) -> None:
+    """After a read that failed: its threads joined, and the ways it was filling emptied (their
+    rows have gone home)."""
+    _abandon_gather(g)
+    g.err = g.tables[0].backend.xp.ones(1, np.int32)
+    settle(g, f.row, f.victim, f.tid)
 
 
 def _argsort(xp: Any, keys: Any, bound: int) -> Any:
