@@ -1463,6 +1463,50 @@ def test_the_gil_probe_runs_each_side_work_beside_every_step_and_stops_its_threa
         assert time.thread_time() - c0 >= 2e-3
 
 
+def test_the_traffic_probe_moves_a_steps_rows_beside_each_step_as_a_placement_does():
+    """``gpu_dlrm.traffic_probe`` on the reference backend: beside every step of the traffic
+    configuration the side thread reads a step's rows (the GPU's share through mapped addresses,
+    the rest gathered by CPU threads) after the last step's scatter has ended, and scatters the
+    rows going home beside the next step; every read brings the right rows, the tables end as
+    they were, and a step's time includes its rows' read."""
+    import sys
+    import threading
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import gpu_dlrm as GD
+    from embeddings.gpu.backend import ReferenceBackend
+    rng = np.random.default_rng(6)
+    hosts = [rng.standard_normal((5_000, 16)).astype(np.float32) for _ in range(3)]
+    before = [h.copy() for h in hosts]
+    rows = GD.StepRows(hosts, 3001, 2000, ReferenceBackend())
+    log, lock = [], threading.Lock()
+    for name in ("gather", "scatter", "gpu_read"):
+        real = getattr(rows, name)
+
+        def logged(*a, real=real, name=name):
+            with lock:
+                log.append(name + " starts")
+            real(*a)
+            with lock:
+                log.append(name + " ends")
+        setattr(rows, name, logged)
+    steps = []
+    got = GD.traffic_probe(lambda j: steps.append(j), rows, 0.4, per=3, nrounds=2)
+    rows.close()
+    assert steps == list(range(2 * 2 * 3)) and got["alone"] > 0 and got["traffic"] > 0
+    assert log.count("gpu_read starts") == log.count("gather ends") == log.count("scatter ends") == 2 * 3
+    for i, e in enumerate(log):  # a read starts only once the last scatter has ended
+        if e == "gpu_read starts":
+            assert log[:i].count("scatter starts") == log[:i].count("scatter ends")
+    assert all(np.array_equal(h, b) for h, b in zip(hosts, before))
+    k = round(0.4 * 3001)
+    assert np.array_equal(np.concatenate([rows.dev[:k], rows.block[k:]]),
+                          np.concatenate([h[r] for h, r in zip(hosts, rows.rin)]))
+    assert not any(t.name == "side-probe" for t in threading.enumerate())
+    slow = GD.side_probe(lambda j: None, [("work", lambda: time.sleep(0.02))], per=2, nrounds=1, whole=True)
+    assert slow["work"] >= 20 and slow["side_runs"] == 2
+
+
 def test_the_benchmarks_rounds_alternate_the_contenders_and_keep_every_rounds_rate():
     """``gpu_dlrm.rounds``: one untimed step of each contender (and its end), then ``warmed``;
     then each contender runs its steps per round in every round, the order reversed every other
