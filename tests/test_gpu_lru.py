@@ -8,7 +8,6 @@ same backend: resolving indices to slots must not change a single bit.
 
 from __future__ import annotations
 
-import threading
 import time
 import types
 
@@ -554,9 +553,7 @@ def test_rows_sent_home_are_scattered_after_the_placements_own_gather(monkeypatc
         return gather(*a, done=slow_done, **kw)
     monkeypatch.setattr(LG, "gather_signalled", slow_gather)
     monkeypatch.setattr(SC, "scatter_rows", lambda jobs: log.append("scatter") or scatter(jobs))
-    monkeypatch.setattr(LG, "balance", lambda *a: None)  # the CPU threads keep half of every read (none: no gather)
     t, ref = make(W0, m, cache_rows=40, ways=4, reads=reads, name="t"), Reference(W0)
-    t.read_share = 0.5
     sent = 0
     for step in range(6):
         idx = zipf_batch(rng, 16, 5)
@@ -587,67 +584,6 @@ def test_rows_sent_home_are_scattered_after_the_placements_own_gather(monkeypatc
     assert t._home is not None and t._home.result(timeout=10) is None  # landed: not waiting for that gather
     t.check()  # the ways the read was filling are empty, their rows home
     assert np.array_equal(contents(t), ref.W)
-
-
-@pytest.mark.parametrize("reads", ["staged", "split"])
-def test_the_cpu_threads_start_gathering_before_the_write_back_is_queued(monkeypatch, reads):
-    """A placement's CPU threads, the longest part of its read, start on the rows coming in as
-    soon as the host knows them, before the device work of the write-back and the read is
-    queued; every lookup still equals the uncached table."""
-    rng = np.random.default_rng(21)
-    W0 = rng.standard_normal((N, F)).astype(np.float32)
-    t, ref = make(W0, host_manager(), cache_rows=40, ways=4, reads=reads, name="t"), Reference(W0)
-    t.read_share = 0.5
-    log = []
-    gather, block = LG.gather_signalled, LG.gather
-    monkeypatch.setattr(LG, "gather_signalled", lambda *a, **kw: log.append("threads gather") or gather(*a, **kw))
-    monkeypatch.setattr(LG, "gather", lambda *a, **kw: log.append("write-back queued") or block(*a, **kw))
-    both = 0
-    for step in range(6):
-        idx = zipf_batch(rng, 16, 5)
-        log.clear()
-        assert np.array_equal(_host(E.lookup(t, idx)), ref.lookup(idx))
-        if "threads gather" in log and "write-back queued" in log:
-            both += 1
-            assert log.index("threads gather") < log.index("write-back queued"), log
-        g = rng.standard_normal((16, F)).astype(np.float32)
-        E.pullback(t, g, idx, optimizer=E.SGD(0.1))
-        ref.pullback(g, idx, optimizer=E.SGD(0.1))
-    assert both >= 2
-    t.check()
-
-
-def test_a_write_back_that_fails_after_the_gather_began_waits_for_its_threads_and_moves_nothing(monkeypatch):
-    """Should the write-back fail once the CPU threads gather the incoming rows, the placement
-    waits for them (their block stays theirs until they end) and raises; no way changed, so
-    the table still equals the uncached one and stays usable."""
-    rng = np.random.default_rng(22)
-    W0 = rng.standard_normal((N, F)).astype(np.float32)
-    m = host_manager()
-    t, ref = make(W0, m, cache_rows=40, ways=4, reads="staged", name="t"), Reference(W0)
-    for step in range(3):  # dirty cached rows
-        idx = zipf_batch(rng, 16, 5)
-        E.lookup(t, idx)
-        E.pullback(t, np.ones((16, F), np.float32), idx, optimizer=E.SGD(0.1))
-        ref.pullback(np.ones((16, F), np.float32), idx, optimizer=E.SGD(0.1))
-    gather, later = LG.gather_signalled, LG.scatter_later
-    started = []
-    monkeypatch.setattr(LG, "gather_signalled", lambda *a, **kw: started.append(gather(*a, **kw)) or started[-1])
-
-    def broken(*a, **kw):
-        raise MemoryError("no thread for the rows going home")
-    monkeypatch.setattr(LG, "scatter_later", broken)
-    with pytest.raises(MemoryError, match="no thread for the rows going home"):
-        E.lookup(t, (zipf_batch(rng, 16, 5) + 200) % N)  # misses: dirty rows go home, new rows come in
-    assert started and all(f.done() for f in started[-1]._futures)
-    t.check()
-    assert np.array_equal(contents(t), ref.W)
-    monkeypatch.setattr(LG, "scatter_later", later)
-    idx = zipf_batch(rng, 16, 5)
-    assert np.array_equal(_host(E.lookup(t, idx)), ref.lookup(idx))
-    t.check()
-    t.writeback()
-    assert np.array_equal(base_rows(t), ref.W)
 
 
 ON_GPU = pytest.param("gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(not gpu_device.available(),
@@ -780,16 +716,9 @@ def test_the_lookup_of_a_prefetched_batch_in_the_same_memory_reads_no_index_agai
 
 
 @pytest.mark.parametrize("share", [0.0, 1.0])
-def test_a_split_read_with_an_empty_part_brings_every_row_and_keeps_its_share(monkeypatch, share):
+def test_a_split_read_with_an_empty_part_brings_every_row_and_keeps_its_share(share):
     """A share of 0 (CPU threads gather every row) or 1 (the GPU reads them all): every row still
-    comes in, and with one part empty no rate is measured, so the share stays. The placement's
-    stream follows the end of the GPU's part in either case (the work after it, and the lookup,
-    must not run before the rows are in)."""
-    from embeddings.gpu.backend import ReferenceBackend
-    clocks, followed = [], []
-    follow = ReferenceBackend.follow
-    monkeypatch.setattr(ReferenceBackend, "clock", lambda self: clocks.append(object()) or clocks[-1])
-    monkeypatch.setattr(ReferenceBackend, "follow", lambda self, fence: followed.append(fence) or follow(self, fence))
+    comes in, and with one part empty no rate is measured, so the share stays."""
     rng = np.random.default_rng(22)
     W0 = rng.standard_normal((N, F)).astype(np.float32)
     m = host_manager()
@@ -803,7 +732,6 @@ def test_a_split_read_with_an_empty_part_brings_every_row_and_keeps_its_share(mo
         ref.pullback(g, idx, optimizer=E.SGD(0.1))
         t.check()
     assert t.read_share == share
-    assert clocks and all(end in followed for end in clocks[1::2])
     t.writeback()
     assert np.array_equal(base_rows(t), ref.W)
     t.close()
@@ -1133,59 +1061,6 @@ def test_rows_sent_home_in_the_background_land_before_anything_reads_them(monkey
     for t, r in zip(ts, refs):
         t.close()
         assert np.array_equal(base_rows(t), r.W)
-    m.check()
-
-
-@pytest.mark.parametrize("where", ["host", ON_GPU])
-@pytest.mark.parametrize("reads", ["mapped", "staged", "split"])
-def test_a_placement_reads_without_waiting_for_the_last_scatter_and_takes_its_rows_from_what_went_home(
-        monkeypatch, reads, where):
-    """A placement does not wait for the scatter of the rows the last placement sent home: the
-    rows it reads among those take their values from the block that went home (the host table
-    may not hold them yet), and every earlier scatter has landed first. Here the last scatter is
-    held back until the next placement, which re-reads those very rows, is done: its lookup
-    still equals the uncached table, and so does the base table once everything has landed."""
-    from embeddings.gpu import lru_kernels as LK
-    from embeddings.kernels import scatter as SC
-    real, hold, release = SC.scatter_rows, threading.Event(), threading.Event()
-    held = []
-
-    def scatter(jobs, threads=None):
-        if hold.is_set():
-            held.append(True)
-            release.wait(10)
-        real(jobs, threads)
-    monkeypatch.setattr(SC, "scatter_rows", scatter)
-    rng = np.random.default_rng(24)
-    W0 = rng.standard_normal((N, F)).astype(np.float32)
-    m = host_manager() if where == "host" else gpu_manager()
-    t, ref = make(W0, m, cache_rows=16, ways=4, reads=reads, name="t"), Reference(W0)
-    t.read_share = 0.5
-    sets = LK.set_of(np.arange(N), t.sets)
-    per_set = [np.flatnonzero(sets == s_) for s_ in range(t.sets)]
-    batches = [np.array([rows[b] for rows in per_set]).reshape(2, -1) for b in range(5)]  # one row a set each
-
-    def step(idx):
-        t.prefetch(idx.ravel())
-        assert np.array_equal(_host(E.lookup(t, idx)), ref.lookup(idx))
-        g = rng.standard_normal((idx.shape[0], F)).astype(np.float32)
-        E.pullback(t, g, idx, optimizer=E.SGD(0.1))
-        ref.pullback(g, idx, optimizer=E.SGD(0.1))
-    for b in batches[:4]:  # every way filled, every row dirty
-        step(b)
-    hold.set()
-    step(batches[4])  # evicts the first batch's rows; their scatter is held back
-    assert not t._home.done() and t._sent is not None
-    step(batches[0])  # reads them again while their scatter waits
-    assert not t._home_before.done()  # nothing waited for the held scatter
-    release.set()
-    LG.drain([t])
-    assert held  # it was held back
-    t.check()
-    for b in batches[1:3]:
-        step(b)
-    t.close()
-    assert np.array_equal(base_rows(t), ref.W)
     m.check()
 
 

@@ -25,7 +25,6 @@ table by table with :mod:`.lru_kernels` and are what CI runs, and a GPU test com
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -209,22 +208,6 @@ extern "C" __global__ void NAME(const i64* slot, const i64* tab, i64 n, int FT, 
         ((T_*)tabs[tab[j] * NF + P_W])[slot[j] * FT + c] = in[i]; } }
 TB_PUT(tb_put_v4, float4)
 TB_PUT(tb_put_v1, float)
-
-/* the first *count rows just read, j: host row hrow[j] of table tab[j] in slot slot[j]; those among the nk rows
-   the last placement sent home (keys: table * Rmax + row, sorted; their rows in block), whose scatter into the
-   host tables may not have landed when they were read, take their rows from that block; nothing if *err */
-#define TB_FIX(NAME, T_) \
-extern "C" __global__ void NAME(const i64* slot, const i64* tab, const i64* hrow, const i64* count, i64 n, int FT, \
-                                const i64* tabs, i64 Rmax, const i64* keys, i64 nk, const T_* block, const int* err) { \
-    if (err && *err) return; \
-    if (*count < n) n = *count; \
-    for (i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += (i64)gridDim.x * blockDim.x) { \
-        i64 key = tab[j] * Rmax + hrow[j], p = lower_bound(keys, nk, key); \
-        if (p < nk && keys[p] == key) { \
-            T_* W = (T_*)tabs[tab[j] * NF + P_W]; \
-            for (int c = 0; c < FT; ++c) W[slot[j] * FT + c] = block[p * FT + c]; } } }
-TB_FIX(tb_fix_v4, float4)
-TB_FIX(tb_fix_v1, float)
 
 /* every table's left-out flag (counts[4]) cleared: a placement's first step */
 extern "C" __global__ void tb_unleft(const i64* tabs, int T) {
@@ -441,15 +424,12 @@ def write_back(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, n: int) -> 
     scatter_later`), beside the rest of the training step, once the placement's own CPU gather
     (staged and split reads) is done: run together, the two slowed each other (and the
     placement) 1.5-2x on the H100's host. Each table keeps that scatter as
-    ``_home`` until :func:`drain`, and the rows' keys and block as ``_sent``: the next
-    placement of the same tables reads without waiting for the scatter, beside it, and takes
-    the rows it reads among those from the block (:func:`unlanded`, :func:`fix_reads`; the
-    in-HBM DLRM step with a step's rows moving beside it took 9.75 ms so against 10.86 with the
-    scatter before the next read, on the H200 host, 7.55 alone); every other operation drains
-    it first, through the table's ``_join``.
+    ``_home`` until :func:`drain`: whatever reads its host rows drains it first (the next
+    placement here, before its reads; every other operation through the table's ``_join``).
     Written one by one over PCIe by the GPU, random rows went no faster than random reads and
     not beside them (10-12 ms each way a step over 45 GB of tables on the H100): a step paid
     for both. Adagrad's accumulators (4 bytes a row) go home directly."""
+    drain(g.tables)
     be = g.tables[0].backend
     move(g, slot, tab, hrow, count, down=True, rows=False)
     if n == 0:
@@ -467,52 +447,23 @@ def write_back(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, n: int) -> 
         g.gathered.wait()
 
     home = scatter_later(landed, lambda: _per_table(g, tabs, rows, host))
-    keys = tab[:n] * g.Rmax + hrow[:n]  # sorted: the rows go home in (table, row) order
-    sent = Sent(tuple(g.tables), keys, block, home)
     for tb in g.tables:
-        tb._home_before, tb._home, tb._sent = tb._home, home, sent
+        tb._home = home
 
 
 class Reading(NamedTuple):
     """What a staged or split read holds until the device has passed its copies
     (:func:`finish_read`): the CPU threads' gather, the page-locked block and flags they write,
-    the device block the pieces go up into, where the pieces are cut and how many threads
-    gather each, and the timing of the share read through mapped addresses (``start``,
-    ``end``, set once it is queued; ``k`` rows) beside the gather of ``m``."""
+    the device block the pieces go up into, and the timing of the share read through mapped
+    addresses (``start``, ``end``; ``k`` rows) beside the gather of ``m``."""
     gathering: Gathering
     block: np.ndarray
     flags: np.ndarray
     up: Any
-    cuts: np.ndarray
-    threads: int
     start: Any
     end: Any
     k: int
     m: int
-
-
-def start_gather(g: Group, n: int, htab: np.ndarray | None, hrows: np.ndarray | None) -> None:
-    """Start the CPU threads' part of a staged or split read of ``n`` rows (:func:`read`), the
-    rows after the share the GPU reads itself: they gather as soon as the host knows the rows
-    (``htab``, ``hrows``), before the placement's other launches, which the host memory's
-    traffic does not wait for (it is the longest part of a placement). Nothing under mapped
-    reads or when the GPU's share is every row; else :attr:`Group.reading`."""
-    if g.reads == "mapped" or n == 0:
-        return
-    k = round(g.tables[0].read_share * n) if g.reads == "split" else 0
-    m = n - k
-    if m == 0:
-        return
-    be = g.tables[0].backend
-    F = g.tables[0]._W.shape[1]
-    block, up = be.bounce((m, F), np.float32), be.xp.empty((m, F), np.float32)
-    cuts = np.linspace(0, m, max(1, min(READ_PIECES, m // READ_PIECE_ROWS)) + 1).astype(np.int64)
-    threads = max(1, min(THREADS, m // READ_PIECE_ROWS))
-    flags = be.bounce(((cuts.size - 1) * threads,), np.int64)
-    g.err = be.xp.zeros(1, np.int32)
-    gathering = gather_signalled([tb._base for tb in g.tables], htab[k:n], hrows[k:n], block, cuts, flags,
-                                 done=g.gathered.set)  # the rows going home may go now, not when the read is done
-    g.reading = Reading(gathering, block, flags, up, cuts, threads, None, None, k, m)
 
 
 def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, n: int, htab: np.ndarray | None,
@@ -521,9 +472,8 @@ def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, n: int, htab: np.
     of table ``tab[j]`` into its slot ``slot[j]`` (grouped by table, host-address order within each), as the tables'
     ``reads`` says. Mapped reads: the GPU reads each row through its mapped host address.
     Staged reads: CPU threads gather the rows into one page-locked block
-    (:func:`start_gather`, which :func:`place_front` calls before this: :func:`~embeddings.kernels.
-    signalled.gather_signalled` finds the tables and rows of the first ``n`` moves in ``htab`` and
-    ``hrows`` on the host) in up to :data:`READ_PIECES` pieces,
+    (:func:`~embeddings.kernels.signalled.gather_signalled`, which finds the tables and rows of the
+    first ``n`` moves in ``htab`` and ``hrows`` on the host) in up to :data:`READ_PIECES` pieces,
     and the device copies each piece up and puts its rows into their slots as soon as the
     threads' flags say it is gathered (:meth:`~.backend.CudaBackend.wait_flags`): every copy and
     put is queued as soon as the gathering threads run without the GIL, so no host thread stands
@@ -546,21 +496,29 @@ def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, n: int, htab: np.
     be = g.tables[0].backend
     if n == 0:
         return
-    r = g.reading
-    k = n if r is None else r.k
+    k = round(g.tables[0].read_share * n) if g.reads == "split" else 0
     with be.aside(1):  # not behind the copy home on lane 0
         start = be.clock()
         move(g, slot[:k], tab[:k], hrow[:k], count, down=False, state=False)
         end = be.clock()
-    if r is not None:
-        g.reading = r = r._replace(start=start, end=end)
-        if not r.gathering.running():  # a share still queued needs the GIL, which a wait for the device may hold
-            r.gathering.join()  # so the device waits only once every flag is set
-        th = r.threads
-        for p, (a, b) in enumerate(zip(r.cuts[:-1].tolist(), r.cuts[1:].tolist())):
-            be.wait_flags(r.flags[p * th:(p + 1) * th], g.err)
-            be.upload(r.up[a:b], r.block[a:b])
-            put(g, slot[k + a:k + b], tab[k + a:k + b], r.up[a:b], g.err)
+    m = n - k
+    if m == 0:
+        return
+    F = g.tables[0]._W.shape[1]
+    block, up = be.bounce((m, F), np.float32), be.xp.empty((m, F), np.float32)
+    cuts = np.linspace(0, m, max(1, min(READ_PIECES, m // READ_PIECE_ROWS)) + 1).astype(np.int64)
+    threads = max(1, min(THREADS, m // READ_PIECE_ROWS))
+    flags = be.bounce(((cuts.size - 1) * threads,), np.int64)
+    g.err = be.xp.zeros(1, np.int32)
+    gathering = gather_signalled([tb._base for tb in g.tables], htab[k:n], hrows[k:n], block, cuts, flags,
+                                 done=g.gathered.set)  # the rows going home may go now, not when the read is done
+    g.reading = Reading(gathering, block, flags, up, start, end, k, m)
+    if not gathering.running():  # a share still queued needs the GIL, which a wait for the device may hold
+        gathering.join()  # so the device waits only once every flag is set
+    for p, (a, b) in enumerate(zip(cuts[:-1].tolist(), cuts[1:].tolist())):
+        be.wait_flags(flags[p * threads:(p + 1) * threads], g.err)
+        be.upload(up[a:b], block[a:b])
+        put(g, slot[k + a:k + b], tab[k + a:k + b], up[a:b], g.err)
     be.follow(end)
 
 
@@ -636,72 +594,13 @@ def mail(g: Group) -> np.ndarray:
     return out[:-1].reshape(g.T, 5)
 
 
-class Sent(NamedTuple):
-    """The rows a placement of ``tables`` sent home (:func:`write_back`): their keys (table *
-    ``Rmax`` + row, sorted), their device block, and the scatter that writes them into the host
-    tables. The next placement of the same tables reads without waiting for that scatter and
-    takes the rows it reads among them from the block (:func:`fix_reads`)."""
-    tables: tuple
-    keys: Any
-    block: Any
-    home: Future
-
-
 def drain(tables: list) -> None:
-    """Wait until the rows the tables' placements sent home are in their host tables (and
+    """Wait until the rows the tables' last placement sent home are in their host tables (and
     raise what went wrong on the way)."""
-    drain_before(tables)
     for tb in tables:
-        home, tb._home, tb._sent = tb._home, None, None
+        home, tb._home = tb._home, None
         if home is not None:
             home.result()
-
-
-def drain_before(tables: list) -> None:
-    """Wait until the rows every placement of the tables but the last sent home are in their
-    host tables (the scatters run one after the other: the last may still be running)."""
-    for tb in tables:
-        home, tb._home_before = tb._home_before, None
-        if home is not None:
-            home.result()
-
-
-def unlanded(g: Group) -> Sent | None:
-    """The rows the last placement of ``g``'s very tables sent home, while their scatter runs
-    (then ``g``'s read need not wait for it: :func:`fix_reads`, after every earlier scatter has
-    landed); else None, once every scatter of the tables has landed."""
-    sent = g.tables[0]._sent
-    if sent is not None and sent.tables == tuple(g.tables) and all(tb._sent is sent for tb in g.tables) \
-            and not sent.home.done():
-        drain_before(g.tables)
-        return sent
-    drain(g.tables)
-    return None
-
-
-def fix_reads(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, n: int, sent: Sent | None) -> None:
-    """After a read of ``n`` rows (the first ``count`` moves ``j``: host row ``hrow[j]`` of table
-    ``tab[j]`` into slot ``slot[j]``) that did not wait for the scatter of ``sent`` (the last
-    placement's rows going home, :func:`unlanded`): the rows read among those take their value
-    from its block. Such a row was read while, or before, its value was written home; the CPU
-    threads and the GPU then read what the host table held. Nothing if the read failed."""
-    if sent is None or n == 0 or sent.keys.size == 0:
-        return
-    if g.host:
-        if g.err is not None and g.err[0]:
-            return
-        c = min(int(count[0]), slot.size)
-        keys = tab[:c] * g.Rmax + hrow[:c]
-        at = np.minimum(np.searchsorted(sent.keys, keys), sent.keys.size - 1)
-        hit = sent.keys[at] == keys
-        for t, tb in enumerate(g.tables):
-            mine = hit & (tab[:c] == t)
-            tb._W[slot[:c][mine]] = sent.block[at[mine]]
-        return
-    F = g.tables[0]._W.shape[1]
-    vt, FT = LK.vector_kind(F, sent.block, *(tb._W for tb in g.tables))
-    _launch(f"tb_fix_{vt}", n, (slot, tab, hrow, count, np.int64(n), np.int32(FT), g.dev, np.int64(g.Rmax),
-                                sent.keys, np.int64(sent.keys.size), sent.block, cuda.ptr(g.err)))
 
 
 def gather(g: Group, slot: Any, tab: Any) -> Any:
@@ -884,50 +783,20 @@ def ran(g: Group, f: Front) -> Front:
 
 def place_front(g: Group, f: Front) -> Front:
     """The rest of :func:`place` after its :func:`front` has run (:func:`ran`): the rows move and
-    the ways settle. The CPU threads start gathering the rows coming in first (:func:`start_gather`),
-    once the rows every placement but the last sent home are in their host tables (the rows
-    read among the last one's come from its block: :func:`fix_reads`), and the device work of
-    the write-back and the read is queued while they gather."""
+    the ways settle."""
     back, coming = int(f.host.cnt[0]), int(f.host.cnt[1])
-    sent = unlanded(g)
-    try:
-        start_gather(g, coming, f.host.tab, f.host.row)
-    except BaseException:
-        write_back(g, f.wslot, f.wtab, f.wrow, f.cnt[0:1], back)  # the rows going home go all the same
-        _read_failed(g, f)
-        raise
-    try:
-        write_back(g, f.wslot, f.wtab, f.wrow, f.cnt[0:1], back)
-    except BaseException:
-        _abandon_gather(g)  # nothing moved: the ways keep what they hold
-        raise
+    write_back(g, f.wslot, f.wtab, f.wrow, f.cnt[0:1], back)
     try:
         read(g, f.rslot, f.rtab, f.rrow, f.cnt[1:2], coming, f.host.tab, f.host.row)
     except BaseException:
-        _read_failed(g, f)
+        g.gathered.set()  # the rows going home wait no longer than a read that failed
+        g.err = g.tables[0].backend.xp.ones(1, np.int32)
+        settle(g, f.row, f.victim, f.tid)  # the ways it was filling are emptied (their rows have gone home)
         raise
-    fix_reads(g, f.rslot, f.rtab, f.rrow, f.cnt[1:2], coming, sent)
     if g.reading is None:
-        g.gathered.set()  # the rows going home wait no longer than a read that gathers nothing on the host
+        g.gathered.set()  # nor longer than a read that gathers nothing on the host
     settle(g, f.row, f.victim, f.tid)
     return f
-
-
-def _abandon_gather(g: Group) -> None:
-    """Wait for the CPU threads of a read that will not be used (its block stays allocated until
-    they are done) and forget it."""
-    if g.reading is not None:
-        g.reading.gathering.join()
-        g.reading = None
-    g.gathered.set()
-
-
-def _read_failed(g: Group, f: Front) -> None:
-    """After a read that failed: its threads joined, and the ways it was filling emptied (their
-    rows have gone home)."""
-    _abandon_gather(g)
-    g.err = g.tables[0].backend.xp.ones(1, np.int32)
-    settle(g, f.row, f.victim, f.tid)
 
 
 def _argsort(xp: Any, keys: Any, bound: int) -> Any:

@@ -16,12 +16,13 @@ float32 rows of a specialised feature size are copied with vector loads and stor
 on one core of the CI machine; on the H100 machine 494,000 random rows gathered out of two
 page-locked 11.5 GB tables took 15 ms with numba's row assignment on 16 threads, 6.0 ms with
 vector copies on 8 and 4.6 ms on 16.
-``CACHEDARRAYS_SCATTER_THREADS`` sets each pool's size (default: half the cores, at least one).
-On the H200 machine's 16 cores, the in-HBM DLRM step with a step's rows (394,000 each way) moving
-beside it as a placement moves them, the scatter beside the next read, took 9.75 ms with 4 threads
-a pool and 9.38 with 8 (7.55 alone; one process, medians of 4 rounds); a gather alone beside the
-step, 8.81 and 8.49. Alone, 394,000 rows took 8.2 ms to gather on 4 threads and 3.8 on 16; a move
-may name its own count (``threads``), as the benchmarks' floors do.
+``CACHEDARRAYS_SCATTER_THREADS`` sets each pool's size (default: a quarter of the cores, at least
+one, so that both pools together leave half the cores to the training step beside them). On the
+H100 machine's 16 cores, in one process each: the DLRM step with split reads took 19.6-20.0 ms
+with 4 threads a pool and 20.3-21.9 with 8, staged reads 21.4-21.9 and 21.4-23.0, mapped reads
+(the scatter only) 22.3-26.0 and 23.0-25.3. Beside the training step a gather does not speed up
+with threads: 260,000 rows took 5.4, 5.7 and 6.2 ms on 4, 8 and 12 (alone, 489,000 rows took 7.3
+ms on 4 and 4.8 on 16); a move may name its own count (``threads``), as the benchmarks' floors do.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ PIECE = 8192  # rows per task at least: a task's fixed cost stays small against 
 def _threads() -> int:
     text = os.environ.get("CACHEDARRAYS_SCATTER_THREADS", "")
     if not text:
-        return max(1, (os.cpu_count() or 1) // 2)
+        return max(1, (os.cpu_count() or 1) // 4)
     try:
         n = int(text)
     except ValueError:
