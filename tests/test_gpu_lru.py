@@ -553,7 +553,9 @@ def test_rows_sent_home_are_scattered_after_the_placements_own_gather(monkeypatc
         return gather(*a, done=slow_done, **kw)
     monkeypatch.setattr(LG, "gather_signalled", slow_gather)
     monkeypatch.setattr(SC, "scatter_rows", lambda jobs: log.append("scatter") or scatter(jobs))
+    monkeypatch.setattr(LG, "balance", lambda *a: None)  # the CPU threads keep half of every read (none: no gather)
     t, ref = make(W0, m, cache_rows=40, ways=4, reads=reads, name="t"), Reference(W0)
+    t.read_share = 0.5
     sent = 0
     for step in range(6):
         idx = zipf_batch(rng, 16, 5)
@@ -716,9 +718,16 @@ def test_the_lookup_of_a_prefetched_batch_in_the_same_memory_reads_no_index_agai
 
 
 @pytest.mark.parametrize("share", [0.0, 1.0])
-def test_a_split_read_with_an_empty_part_brings_every_row_and_keeps_its_share(share):
+def test_a_split_read_with_an_empty_part_brings_every_row_and_keeps_its_share(monkeypatch, share):
     """A share of 0 (CPU threads gather every row) or 1 (the GPU reads them all): every row still
-    comes in, and with one part empty no rate is measured, so the share stays."""
+    comes in, and with one part empty no rate is measured, so the share stays. The placement's
+    stream follows the end of the GPU's part in either case (the work after it, and the lookup,
+    must not run before the rows are in)."""
+    from embeddings.gpu.backend import ReferenceBackend
+    clocks, followed = [], []
+    follow = ReferenceBackend.follow
+    monkeypatch.setattr(ReferenceBackend, "clock", lambda self: clocks.append(object()) or clocks[-1])
+    monkeypatch.setattr(ReferenceBackend, "follow", lambda self, fence: followed.append(fence) or follow(self, fence))
     rng = np.random.default_rng(22)
     W0 = rng.standard_normal((N, F)).astype(np.float32)
     m = host_manager()
@@ -732,6 +741,7 @@ def test_a_split_read_with_an_empty_part_brings_every_row_and_keeps_its_share(sh
         ref.pullback(g, idx, optimizer=E.SGD(0.1))
         t.check()
     assert t.read_share == share
+    assert clocks and all(end in followed for end in clocks[1::2])
     t.writeback()
     assert np.array_equal(base_rows(t), ref.W)
     t.close()

@@ -502,7 +502,8 @@ def read(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, n: int, htab: np.
         move(g, slot[:k], tab[:k], hrow[:k], count, down=False, state=False)
         end = be.clock()
     m = n - k
-    if m == 0:
+    if m == 0:  # the GPU reads every row: what follows waits for it all the same
+        be.follow(end)
         return
     F = g.tables[0]._W.shape[1]
     block, up = be.bounce((m, F), np.float32), be.xp.empty((m, F), np.float32)
