@@ -1447,6 +1447,12 @@ def test_the_traffic_probe_moves_a_steps_rows_beside_each_step_as_a_placement_do
     slow = GD.side_probe(lambda j: None, [("work", lambda: time.sleep(0.02))], per=2, nrounds=1, whole=True)
     assert slow["work"] >= 20 and slow["side_runs"] == 2
 
+    def broken():
+        raise MemoryError("no room for the side work")
+    with pytest.raises(MemoryError, match="no room for the side work"):  # raised on the caller's thread
+        GD.side_probe(lambda j: None, [("broken", broken)], per=2, nrounds=1)
+    assert not any(t.name == "side-probe" for t in threading.enumerate())
+
 
 def test_the_benchmarks_rounds_alternate_the_contenders_and_keep_every_rounds_rate():
     """``gpu_dlrm.rounds``: one untimed step of each contender (and its end), then ``warmed``;
