@@ -205,3 +205,61 @@ def test_exposed_copy_time_counts_only_stream_waits_that_were_reached(monkeypatc
     assert c.exposed() == 3.0 and timed == [reached]
     c.waited = 4.0  # a host wait longer than any stream's
     assert c.exposed() == 4.0
+
+
+def test_a_page_locked_heap_is_unregistered_before_its_memory_goes_also_when_never_closed(monkeypatch):
+    """:func:`~cachedarrays.devices.gpu.pagelock` registers a host heap with CUDA until
+    :func:`~cachedarrays.devices.gpu.pageunlock`; a heap dropped without it (a manager never
+    closed) is unregistered when the array owning its memory is collected, before the memory is
+    unmapped (a registration left over unmapped addresses would catch a later heap mapped there),
+    and only once. Here CUDA's runtime is a recorder."""
+    import gc
+    import types
+
+    from cachedarrays.devices import gpu
+    calls = []
+    runtime = types.SimpleNamespace(hostRegister=lambda addr, n, flags: calls.append(("register", addr, n, flags)),
+                                    hostUnregister=lambda addr: calls.append(("unregister", addr)))
+    monkeypatch.setattr(gpu, "cupy", lambda: types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime)))
+    dev = DRAM("1MiB", bandwidth=(10, 10))
+    addr = dev.address(0)
+    view = dev.buffer[4096:8192]  # a view (as a table's rows are) keeps the memory, and the registration
+    assert gpu.pagelock(dev) and dev.page_locked and gpu.pagelock(dev)
+    assert calls == [("register", addr, 1 << 20, gpu.HOST_REGISTER_FLAGS)]
+    mapping = dev._mmap
+    del dev
+    gc.collect()
+    assert len(calls) == 1 and not mapping.closed
+    del view
+    gc.collect()
+    assert calls[1:] == [("unregister", addr)]
+
+    calls.clear()
+    dev = DRAM("1MiB", bandwidth=(10, 10))
+    gpu.pagelock(dev)
+    gpu.pageunlock(dev)
+    assert not dev.page_locked and [c[0] for c in calls] == ["register", "unregister"]
+    gpu.pageunlock(dev)
+    dev.close()
+    del dev
+    gc.collect()
+    assert [c[0] for c in calls] == ["register", "unregister"]  # once only
+
+
+def test_a_failed_unregistration_at_a_collection_is_a_warning(monkeypatch):
+    """A heap collected unclosed whose unregistration CUDA refuses warns, naming the heap (a
+    collection has no caller to raise into)."""
+    import gc
+    import types
+
+    from cachedarrays.devices import gpu
+
+    def refuse(addr):
+        raise RuntimeError("cudaErrorHostMemoryNotRegistered")
+    runtime = types.SimpleNamespace(hostRegister=lambda addr, n, flags: None, hostUnregister=refuse)
+    monkeypatch.setattr(gpu, "cupy", lambda: types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime)))
+    dev = DRAM("1MiB", bandwidth=(10, 10), name="heap")
+    gpu.pagelock(dev)
+    with pytest.warns(RuntimeWarning, match="heap: its host memory could not be unregistered from CUDA"):
+        del dev
+        gc.collect()

@@ -157,3 +157,33 @@ def _gpu_machine(factory, workers):
 TestGPULRU = _gpu_machine(LRUPolicy, 1)
 TestGPULRU2 = _gpu_machine(LRUPolicy, 2)
 TestGPUTwoLevel = _gpu_machine(ca.TwoLevelCachePolicy, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu.available(), reason="needs a CUDA GPU and CuPy")
+def test_a_page_locked_heap_dropped_unclosed_leaves_no_cuda_registration_behind():
+    """A host heap registered with CUDA (:func:`~cachedarrays.devices.gpu.pagelock`) and dropped
+    without being unlocked is unregistered by the time its memory goes, so a later heap mapped at
+    the same addresses can be registered itself."""
+    import gc
+
+    import cupy as cp
+    rt = cp.cuda.runtime
+
+    def registered(addr):
+        try:
+            return rt.pointerGetAttributes(addr).type == 1  # cudaMemoryTypeHost
+        except rt.CUDARuntimeError:
+            return False
+    dev = DRAM("8MiB", bandwidth=(10, 10))
+    addr = dev.address(0)
+    assert gpu.pagelock(dev) and registered(addr)
+    del dev
+    gc.collect()
+    assert not registered(addr)
+    again = DRAM("8MiB", bandwidth=(10, 10))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a refused registration warns
+        assert gpu.pagelock(again) and registered(again.address(0))
+    gpu.pageunlock(again)
+    assert not registered(again.address(0))

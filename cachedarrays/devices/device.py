@@ -8,7 +8,7 @@ modeled movement time.  Subclasses supply the buffer (`DRAM`, `PM`).
 from __future__ import annotations
 
 import ctypes
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -64,6 +64,7 @@ class Device:
     tier = 1
     memory_space = "host"
     page_locked = False
+    _unlock: Any = None  # undoes the registration that set page_locked (:func:`.gpu.pagelock`)
 
     def __init__(self, buffer: np.ndarray, name: str, bandwidth: Bandwidth):
         self.buffer = buffer

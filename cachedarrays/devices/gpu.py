@@ -24,6 +24,7 @@ import queue
 import threading
 import time
 import warnings
+import weakref
 
 import numpy as np
 
@@ -141,24 +142,51 @@ class GPU(Device):
 # ---------------------------------------------------------------------- page-locking host heaps
 def pagelock(dev: Device) -> bool:
     """Register a host device's buffer with CUDA so GPU copies are DMA; warn and return False
-    where the OS refuses (a file mapping on an ordinary file system)."""
+    where the OS refuses (a file mapping on an ordinary file system).
+
+    The registration lasts until :func:`pageunlock` or, for a device dropped without its
+    manager's ``close``, until the array that owns the buffer's memory is collected, just before
+    that memory goes: a registration left over a range the OS has unmapped would be found by a
+    later buffer mapped at the same addresses, whose own registration CUDA then refuses, and the
+    GPU would read the old pages through the mapped address while the CPU reads the new ones."""
     if dev.page_locked or dev.buffer.nbytes == 0:
         return dev.page_locked
     cp = cupy()
+    addr = dev.address(0)
     try:
-        cp.cuda.runtime.hostRegister(dev.address(0), dev.buffer.nbytes, HOST_REGISTER_FLAGS)
+        cp.cuda.runtime.hostRegister(addr, dev.buffer.nbytes, HOST_REGISTER_FLAGS)
     except Exception as e:
         warnings.warn(f"{dev.name} ({dev.kind}) cannot be page-locked for the GPU ({e}); its copies to and "
                       f"from the GPU are staged through pinned buffers", RuntimeWarning, stacklevel=3)
         return False
     dev.page_locked = True
+    dev._unlock = weakref.finalize(_owner(dev.buffer), _unregister, addr, dev.name)
+    dev._unlock.atexit = False  # the process's end releases both
     return True
 
 
 def pageunlock(dev: Device) -> None:
     if dev.page_locked:
-        cupy().cuda.runtime.hostUnregister(dev.address(0))
+        if dev._unlock is not None:
+            dev._unlock()
+        else:  # registered by other means than pagelock
+            cupy().cuda.runtime.hostUnregister(dev.address(0))
         dev.page_locked = False
+
+
+def _owner(buffer: np.ndarray) -> np.ndarray:
+    """The array at the root of ``buffer``'s views: every NumPy view of the buffer keeps it, and
+    its memory goes only after it."""
+    while isinstance(buffer.base, np.ndarray):
+        buffer = buffer.base
+    return buffer
+
+
+def _unregister(addr: int, name: str) -> None:
+    try:
+        cupy().cuda.runtime.hostUnregister(addr)
+    except Exception as e:  # at a collection: nothing to raise into
+        warnings.warn(f"{name}: its host memory could not be unregistered from CUDA ({e})", RuntimeWarning)
 
 
 # ---------------------------------------------------------------------- events and stream waits
