@@ -1765,6 +1765,37 @@ def test_an_ensembles_update_replayed_as_a_cuda_graph_equals_the_uncached_tables
             assert not UG.COUNTS
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
+def test_fresh_tables_first_lookups_are_right_after_managers_were_dropped_unclosed():
+    """Managers come and go, every other one dropped without ``close``; each time three fresh
+    ``lru`` tables (split reads: the GPU reads a share of the misses through the host heap's
+    mapped addresses) look up their first batches and equal the uncached tables. A host heap
+    still registered with CUDA after its memory went would make a later heap at the same
+    addresses read stale pages on the GPU (all of the GPU's share wrong, the CPU's right)."""
+    import gc
+    from embeddings.gpu.backend import cuda_backend
+    for it in range(6):
+        rng = np.random.default_rng(40 + it)
+        Ws = [rng.standard_normal((3000, 16)).astype(np.float32) for _ in range(3)]
+        m = gpu_manager()
+        ts = [LRUCachedEmbeddings(W, m, cache_rows=1024, ways=8, name=f"t{i}") for i, W in enumerate(Ws)]
+        refs = [Reference(W, cuda_backend()) for W in Ws]
+        ens = E.Ensemble(ts)
+        for step in range(2):
+            batch = [zipf_batch(rng, 64, 4, 3000) for _ in Ws]
+            got = _host(ens.lookup(batch))
+            for n, r in enumerate(refs):
+                assert np.array_equal(got[:, n], r.lookup(batch[n]).get()), (it, step, n)
+        for t in ts:
+            t.check()
+            t.close()
+        if it % 2:
+            m.close()
+        del m, ts, ens
+        gc.collect()
+
+
 def test_a_capture_runs_the_work_between_begin_and_end_with_its_own_allocator_and_returns_its_graph():
     """:func:`.graphs.capture`: the work runs inside the stream's capture (relaxed mode) with the
     new pool's allocator in force; the graph, the work's result and the pool come back, counted
