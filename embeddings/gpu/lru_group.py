@@ -274,8 +274,8 @@ READ_PIECE_ROWS = 16384  # rows a piece has at least
 
 # whether a placement reads beside the scatter of the rows the last placement of the same tables
 # sent home (:func:`unlanded`, :func:`fix_reads`) instead of after it: in a probe on the H200, the
-# in-HBM DLRM step with a step's rows moving beside it took 9.75 ms so and 10.86 with the scatter
-# landed first (7.55 alone). Off unless CACHEDARRAYS_READS_BESIDE_SCATTER=1 until the GPU suite
+# in-HBM DLRM step with a step's rows moving beside it took 9.75 ms with the next read beside the
+# scatter and 10.86 with the scatter landed first (7.55 alone). Off unless CACHEDARRAYS_READS_BESIDE_SCATTER=1 until the GPU suite
 # has passed with it on a GPU (it has not yet: its failures there are attributed to, not yet
 # confirmed as, host heaps left registered with CUDA, see :func:`cachedarrays.devices.gpu.pagelock`)
 READS_BESIDE_SCATTER = os.environ.get("CACHEDARRAYS_READS_BESIDE_SCATTER", "0") == "1"
