@@ -832,8 +832,7 @@ def test_gpu_lru_table_equals_the_uncached_gpu_table_bit_for_bit(opt, reads):
 @pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
 def test_on_the_gpu_a_replaced_accumulator_is_no_longer_page_locked_and_host_copies_still_work():
     import cupy as cp
-    from embeddings.gpu.backend import _page_locked
-    rt = cp.cuda.runtime
+    from cachedarrays.devices.gpu import page_locked_at
     rng = np.random.default_rng(13)
     W0 = rng.standard_normal((20000, 64)).astype(np.float32)
     idx = zipf_batch(rng, 64, 5)
@@ -843,16 +842,16 @@ def test_on_the_gpu_a_replaced_accumulator_is_no_longer_page_locked_and_host_cop
         first, second = E.RowwiseAdagrad(0.1), E.RowwiseAdagrad(0.1)
         E.pullback(t, g, idx, optimizer=first)
         p1 = first.state(t).ctypes.data
-        assert _page_locked(rt, p1)
+        assert page_locked_at(p1)
         E.pullback(t, g, idx, optimizer=second)
         p2 = second.state(t).ctypes.data
-        assert not _page_locked(rt, p1) and _page_locked(rt, p2)
+        assert not page_locked_at(p1) and page_locked_at(p2)
         del first
         for _ in range(20):  # fresh host arrays over the freed range copy to the device as usual
             a = np.full(20000, 3, np.int32)
             assert int(cp.asarray(a).sum()) == 60000
         t.close()
-        assert not _page_locked(rt, p2)
+        assert not page_locked_at(p2)
 
 
 SPECS = [(3000, 600, 4), (5000, 512, 8), (800, 200, 4)]  # rows, cache rows, ways
@@ -1858,37 +1857,6 @@ def test_an_ensembles_update_replayed_as_a_cuda_graph_equals_the_uncached_tables
             assert UG.COUNTS["captured"] == 1 and UG.COUNTS["replayed"] >= 5, dict(UG.COUNTS)
         else:
             assert not UG.COUNTS
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
-def test_fresh_tables_first_lookups_are_right_after_managers_were_dropped_unclosed():
-    """Managers come and go, every other one dropped without ``close``; each time three fresh
-    ``lru`` tables (split reads: the GPU reads a share of the misses through the host heap's
-    mapped addresses) look up their first batches and equal the uncached tables. A host heap
-    still registered with CUDA after its memory went would make a later heap at the same
-    addresses read stale pages on the GPU (all of the GPU's share wrong, the CPU's right)."""
-    import gc
-    from embeddings.gpu.backend import cuda_backend
-    for it in range(6):
-        rng = np.random.default_rng(40 + it)
-        Ws = [rng.standard_normal((3000, 16)).astype(np.float32) for _ in range(3)]
-        m = gpu_manager()
-        ts = [LRUCachedEmbeddings(W, m, cache_rows=1024, ways=8, name=f"t{i}") for i, W in enumerate(Ws)]
-        refs = [Reference(W, cuda_backend()) for W in Ws]
-        ens = E.Ensemble(ts)
-        for step in range(2):
-            batch = [zipf_batch(rng, 64, 4, 3000) for _ in Ws]
-            got = _host(ens.lookup(batch))
-            for n, r in enumerate(refs):
-                assert np.array_equal(got[:, n], r.lookup(batch[n]).get()), (it, step, n)
-        for t in ts:
-            t.check()
-            t.close()
-        if it % 2:
-            m.close()
-        del m, ts, ens
-        gc.collect()
 
 
 def test_a_capture_runs_the_work_between_begin_and_end_with_its_own_allocator_and_returns_its_graph():

@@ -166,12 +166,19 @@ def pagelock(dev: Device) -> bool:
 
 
 def pageunlock(dev: Device) -> None:
-    if dev.page_locked:
-        if dev._unlock is not None:
-            dev._unlock()
-        else:  # registered by other means than pagelock
-            cupy().cuda.runtime.hostUnregister(dev.address(0))
-        dev.page_locked = False
+    if dev._unlock is not None:
+        dev._unlock()
+        dev._unlock = None
+    dev.page_locked = False
+
+
+def page_locked_at(addr: int) -> bool:
+    """Whether host address ``addr`` is page-locked for CUDA (allocated pinned or registered)."""
+    rt = cupy().cuda.runtime
+    try:
+        return rt.pointerGetAttributes(addr).type == 1  # cudaMemoryTypeHost
+    except rt.CUDARuntimeError:
+        return False
 
 
 def _owner(buffer: np.ndarray) -> np.ndarray:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from cachedarrays.devices.gpu import HOST_REGISTER_FLAGS
+from cachedarrays.devices.gpu import HOST_REGISTER_FLAGS, page_locked_at
 
 from ..kernels.checks import copy_checked_each
 
@@ -313,7 +313,7 @@ class CudaBackend:
         if dst.nbytes != nbytes or not dst.flags.c_contiguous or not src.flags.c_contiguous:
             raise ValueError(f"pull: {nbytes} contiguous device bytes need as many contiguous host bytes, got "
                              f"{dst.nbytes} (contiguous: {dst.flags.c_contiguous}, source: {src.flags.c_contiguous})")
-        if not _page_locked(self.xp.cuda.runtime, dst.ctypes.data):
+        if not page_locked_at(dst.ctypes.data):
             raise ValueError("pull: the host array must be page-locked (pinned or bounce), or the kernel's stores "
                              "would fault the device")
         words = nbytes % 8 == 0 and src.data.ptr % 8 == 0 and dst.ctypes.data % 8 == 0
@@ -449,7 +449,7 @@ class CudaBackend:
         if nbytes == 0:
             return cp.empty(host.shape, host.dtype), None
         handle = None
-        if not _page_locked(rt, ptr):
+        if not page_locked_at(ptr):
             if not register:
                 raise ValueError(f"{name}: needs its rows in page-locked host memory (the DRAM level of a manager "
                                  f"over a GPU); this level's memory is not page-locked")
@@ -626,14 +626,6 @@ def _blocks_out(xp: Any, blocks: list[np.ndarray], out: Any) -> Any:
         raise ValueError(f"upload_blocks: {n} elements of {blocks[0].dtype} need as many in a contiguous output, got "
                          f"{out.size} of {out.dtype} (contiguous: {out.flags.c_contiguous})")
     return out
-
-
-def _page_locked(rt: Any, ptr: int) -> bool:
-    """Whether host address ``ptr`` is page-locked (allocated pinned or registered)."""
-    try:
-        return rt.pointerGetAttributes(ptr).type == 1  # cudaMemoryTypeHost
-    except rt.CUDARuntimeError:
-        return False
 
 
 _POOLED = {(v4, i32): f"pooled_{'v4' if v4 else 'v1'}_{'i32' if i32 else 'i64'}"
