@@ -17,15 +17,13 @@ same index stream:
   ``dynamic`` / ``static``: the ``CachedEmbeddings`` with host bookkeeping
   (caching on access, or the most frequent rows known from the index generator). The next
   batch is prefetched while the current batch's dense work runs, as ``dlrm.train`` does. Under
-  ``lru`` and ``lfu`` the model runs as five contenders, switched between rounds on the same tables and
+  ``lru`` and ``lfu`` the model runs as four contenders, switched between rounds on the same tables and
   index stream: the default split reads ("ours": the GPU reads a share of the missed rows
   through their mapped host addresses while CPU threads gather the rest, the share adapting),
   all read by the GPU ("ours, mapped reads"), all gathered by CPU threads then copied up at
   once ("ours, staged reads"; ``--lru-reads`` of ``dlrm.train``), and split reads with each
   placement's front issued step by step instead of replayed as a CUDA graph ("ours, front step
-  by step": :mod:`embeddings.gpu.lru_front`, what the graph saves in this very run), and split
-  reads beside the scatter of the rows the last placement sent home ("ours, reads beside the
-  last scatter": ``embeddings.gpu.lru_group.READS_BESIDE_SCATTER``, off by default); the
+  by step": :mod:`embeddings.gpu.lru_front`, what the graph saves in this very run); the
   targets take the fastest;
 * in HBM: the same model with tables small enough to sit in HBM (``rows / --shrink`` rows each),
   the same Zipf ranks scaled down to them;
@@ -200,7 +198,6 @@ def rounds(contenders: dict, nrounds: int, each: dict | None = None, warmed: Any
 
 ALONE = 8  # batches whose placement and training step are timed one after the other
 STEPWISE = "ours, front step by step"  # split reads, each placement's front not replayed as a CUDA graph
-BESIDE = "ours, reads beside the last scatter"  # split reads, lru_group.READS_BESIDE_SCATTER on (off by default)
 
 
 def apart(model, batches, reads: str) -> dict:
@@ -622,9 +619,9 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
     from dlrm import DLRMConfig
     from dlrm import gpu as G
     from dlrm.placement import cache_rows, hitrate, reset_counters
-    from embeddings.gpu import lru_front as LF, lru_group as LG, update_graph as UG
+    from embeddings.gpu import lru_front as LF, update_graph as UG
 
-    graphs_default, beside_default = LF.GRAPHS, LG.READS_BESIDE_SCATTER
+    graphs_default = LF.GRAPHS
 
     T, n, F, B, k = args.tables, args.rows, 64, args.batch, args.lookups
     small = max(1, n // args.shrink)
@@ -639,12 +636,10 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
     t0 = time.perf_counter()
     # a cache must not see a batch twice: the timed steps follow the warm-up on fresh batches
     sets = args.policy in ("lru", "lfu")
-    # ours' contenders (name, reads, graphs, reads beside the last scatter), on one model; lru/lfu: split,
-    # mapped and staged reads, split without graphs, split reading beside the last scatter
-    variants = [("ours", "split", True, False)]
+    # ours' contenders (name, reads, graphs), on one model; lru/lfu: split, mapped and staged reads, split without graphs
+    variants = [("ours", "split", True)]
     if sets:
-        variants += [("ours, mapped reads", "mapped", True, False), ("ours, staged reads", "staged", True, False),
-                     (STEPWISE, "split", False, False), (BESIDE, "split", True, True)]
+        variants += [("ours, mapped reads", "mapped", True), ("ours, staged reads", "staged", True), (STEPWISE, "split", False)]
     nsteps = max(args.steps, len(variants) * (args.rounds * args.per_round + 5) + 2 + (ALONE + 1 if sets else 0))
     big_b, small_b = make_batches(nsteps, T, n, small, B, k, seed=1)
     print(f"  index stream: {nsteps} batches in {time.perf_counter() - t0:.1f} s (ours never sees one twice)",
@@ -678,8 +673,8 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
     at = {"next": 0, "first": 0}
     timers = {}
 
-    def variant(reads: str, model=ours, graphs: bool = True, beside: bool = False):
-        name = f"{reads} reads" + ("" if graphs else ", front step by step") + (", beside the scatter" if beside else "")
+    def variant(reads: str, model=ours, graphs: bool = True):
+        name = f"{reads} reads" + ("" if graphs else ", front step by step")
         timers[name] = type(model.timer)()
 
         def step(_j):
@@ -687,13 +682,12 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
                 if hasattr(t, "reads"):
                     t.reads = reads
             LF.GRAPHS = graphs
-            LG.READS_BESIDE_SCATTER = beside
             model.timer = timers[name]
             j, at["next"] = at["next"], at["next"] + 1
             return model.train_step(big_b[j % nsteps], big_b[(j + 1) % nsteps])
         return step
-    for contender, reads, graphs, beside in variants:
-        contenders[contender] = (variant(reads, graphs=graphs, beside=beside), args.per_round, B, ours.finish)
+    for contender, reads, graphs in variants:
+        contenders[contender] = (variant(reads, graphs=graphs), args.per_round, B, ours.finish)
     for _ in range(4):  # untimed: each variant's placement fronts and updates captured before the rounds
         for contender, *_ in variants:
             contenders[contender][0](0)
@@ -721,7 +715,7 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
         for name in timers:
             timers[name] = type(ours.timer)()
     sps = rounds(contenders, args.rounds, res["samples_per_s_each_round"], warmed)
-    LF.GRAPHS, LG.READS_BESIDE_SCATTER = graphs_default, beside_default
+    LF.GRAPHS = graphs_default
     res["placement_fronts"] = dict(LF.COUNTS)  # in the timed rounds: how many were replayed, captured, run step by step
     res["update_graphs"] = dict(UG.COUNTS)  # and how many updates of ours were replayed, captured, run kernel by kernel
     res["samples_per_s"] = sps
@@ -751,10 +745,10 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
         j = at["next"]
         ours.timer = type(ours.timer)()
         ours.train_step(big_b[j % nsteps], None)  # takes the batch the last timed step prefetched
-        reads, graphs, beside = {c: (r, on, bs) for c, r, on, bs in variants}[best]
-        LF.GRAPHS, LG.READS_BESIDE_SCATTER = graphs_default and graphs, beside
+        reads, graphs = {c: (r, on) for c, r, on in variants}[best]
+        LF.GRAPHS = graphs_default and graphs
         res["apart"] = apart(ours, [big_b[(j + 1 + i) % nsteps] for i in range(ALONE)], reads)
-        LF.GRAPHS, LG.READS_BESIDE_SCATTER = graphs_default, beside_default
+        LF.GRAPHS = graphs_default
     cpu_ms = res["prefetch_cpu_ms_per_step"]
     if cpu_ms > 0:
         res["gil"] = gil_probe(contenders["in HBM"][0], [cpu_ms / 2, cpu_ms])

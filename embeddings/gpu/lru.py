@@ -100,8 +100,6 @@ class LRUCachedEmbeddings(DeviceCache, EmbeddingTable):
     _inflight: threading.Event | None = None  # set when a background prefetch has finished
     update_graphs = True  # an ensemble's update of these tables may be one CUDA graph (:mod:`.update_graph`)
     _home: Future | None = None  # the rows the last placement sent home, landing (:func:`.lru_group.drain`)
-    _home_before: Future | None = None  # those of the placement before, until known to have landed
-    _sent: Any = None  # what the last placement sent home (:class:`.lru_group.Sent`), while it may be landing
     _validated: tuple | None = None  # (validated indices, the prefetched placement they equal), for _take_ahead
 
     def __init__(self, base: Any, manager: Manager | None = None, *, cache_rows: int | None = None,

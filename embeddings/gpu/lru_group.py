@@ -24,9 +24,7 @@ table by table with :mod:`.lru_kernels` and are what CI runs, and a GPU test com
 
 from __future__ import annotations
 
-import os
 import threading
-from concurrent.futures import Future
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -211,22 +209,6 @@ extern "C" __global__ void NAME(const i64* slot, const i64* tab, i64 n, int FT, 
 TB_PUT(tb_put_v4, float4)
 TB_PUT(tb_put_v1, float)
 
-/* the first *count rows just read, j: host row hrow[j] of table tab[j] in slot slot[j]; those among the nk rows
-   the last placement sent home (keys: table * Rmax + row, sorted; their rows in block), whose scatter into the
-   host tables may not have landed when they were read, take their rows from that block; nothing if *err */
-#define TB_FIX(NAME, T_) \
-extern "C" __global__ void NAME(const i64* slot, const i64* tab, const i64* hrow, const i64* count, i64 n, int FT, \
-                                const i64* tabs, i64 Rmax, const i64* keys, i64 nk, const T_* block, const int* err) { \
-    if (err && *err) return; \
-    if (*count < n) n = *count; \
-    for (i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += (i64)gridDim.x * blockDim.x) { \
-        i64 key = tab[j] * Rmax + hrow[j], p = lower_bound(keys, nk, key); \
-        if (p < nk && keys[p] == key) { \
-            T_* W = (T_*)tabs[tab[j] * NF + P_W]; \
-            for (int c = 0; c < FT; ++c) W[slot[j] * FT + c] = block[p * FT + c]; } } }
-TB_FIX(tb_fix_v4, float4)
-TB_FIX(tb_fix_v1, float)
-
 /* every table's left-out flag (counts[4]) cleared: a placement's first step */
 extern "C" __global__ void tb_unleft(const i64* tabs, int T) {
     int t = blockIdx.x * blockDim.x + threadIdx.x;
@@ -272,14 +254,6 @@ extern "C" __global__ void tb_settle(const i64* row, const i64* victim, const i6
 READ_PIECES = 4
 READ_PIECE_ROWS = 16384  # rows a piece has at least
 
-# whether a placement reads beside the scatter of the rows the last placement of the same tables
-# sent home (:func:`unlanded`, :func:`fix_reads`) instead of after it: in a probe on the H200, the
-# in-HBM DLRM step with a step's rows moving beside it took 9.75 ms with the next read beside the
-# scatter and 10.86 with the scatter landed first (7.55 alone). Off unless CACHEDARRAYS_READS_BESIDE_SCATTER=1 until the GPU suite
-# has passed with it on a GPU (it has not yet: its failures there are attributed to, not yet
-# confirmed as, host heaps left registered with CUDA, see :func:`cachedarrays.devices.gpu.pagelock`)
-READS_BESIDE_SCATTER = os.environ.get("CACHEDARRAYS_READS_BESIDE_SCATTER", "0") == "1"
-
 
 def _launch(name: str, work: int, args: tuple, most: int = 65536) -> None:
     cuda.launch(SOURCE, name, work, args, most)
@@ -311,7 +285,6 @@ class Group:
         self.holds: list = []  # events after the device work that still reads this placement's arrays (the copy home)
         self.reading: Reading | None = None  # a staged or split read's host side, until :func:`finish_read`
         self.err: Any = None  # set by a read whose CPU gather failed (:meth:`~.backend.CudaBackend.wait_flags`)
-        self.sent: Sent | None = None  # the last placement's rows going home that this one's read takes from
         self.dev = self.doff = self.dsbase = None
         if not self.host:
             be = tables[0].backend
@@ -453,12 +426,10 @@ def write_back(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, n: int) -> 
     placement) 1.5-2x on the H100's host. Each table keeps that scatter as
     ``_home`` until :func:`drain`: whatever reads its host rows drains it first (the next
     placement here, before its reads; every other operation through the table's ``_join``).
-    Under :data:`READS_BESIDE_SCATTER` the tables also keep the rows' keys and block as
-    ``_sent``, and the next placement of the same tables reads beside the scatter and takes the
-    rows it reads among those from the block (:func:`unlanded`, :func:`fix_reads`).
     Written one by one over PCIe by the GPU, random rows went no faster than random reads and
     not beside them (10-12 ms each way a step over 45 GB of tables on the H100): a step paid
     for both. Adagrad's accumulators (4 bytes a row) go home directly."""
+    drain(g.tables)
     be = g.tables[0].backend
     move(g, slot, tab, hrow, count, down=True, rows=False)
     if n == 0:
@@ -476,11 +447,8 @@ def write_back(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, n: int) -> 
         g.gathered.wait()
 
     home = scatter_later(landed, lambda: _per_table(g, tabs, rows, host))
-    sent = None
-    if READS_BESIDE_SCATTER:  # keys sorted: the rows go home in (table, row) order
-        sent = Sent(tuple(map(id, g.tables)), tab[:n] * g.Rmax + hrow[:n], block, home)
     for tb in g.tables:
-        tb._home_before, tb._home, tb._sent = tb._home, home, sent
+        tb._home = home
 
 
 class Reading(NamedTuple):
@@ -627,74 +595,13 @@ def mail(g: Group) -> np.ndarray:
     return out[:-1].reshape(g.T, 5)
 
 
-class Sent(NamedTuple):
-    """The rows a placement of the tables ``ids`` (their ``id``, in the group's order: the tables
-    hold this, so it holds no table) sent home (:func:`write_back`): their keys (table *
-    ``Rmax`` + row, sorted), their device block, and the scatter that writes them into the host
-    tables. The next placement of the same tables reads without waiting for that scatter and
-    takes the rows it reads among them from the block (:func:`fix_reads`)."""
-    ids: tuple
-    keys: Any
-    block: Any
-    home: Future
-
-
 def drain(tables: list) -> None:
-    """Wait until the rows the tables' placements sent home are in their host tables (and
+    """Wait until the rows the tables' last placement sent home are in their host tables (and
     raise what went wrong on the way)."""
-    drain_before(tables)
     for tb in tables:
-        home, tb._home, tb._sent = tb._home, None, None
+        home, tb._home = tb._home, None
         if home is not None:
             home.result()
-
-
-def drain_before(tables: list) -> None:
-    """Wait until the rows every placement of the tables but the last sent home are in their
-    host tables (the scatters run one after the other: the last may still be running)."""
-    for tb in tables:
-        home, tb._home_before = tb._home_before, None
-        if home is not None:
-            home.result()
-
-
-def unlanded(g: Group) -> Sent | None:
-    """The rows the last placement of ``g``'s very tables sent home, while their scatter runs
-    (then ``g``'s read need not wait for it: :func:`fix_reads`, after every earlier scatter has
-    landed) and :data:`READS_BESIDE_SCATTER` is on; else None, once every scatter of the tables
-    has landed."""
-    sent = g.tables[0]._sent
-    mine = sent is not None and sent.ids == tuple(map(id, g.tables)) and all(tb._sent is sent for tb in g.tables)
-    if READS_BESIDE_SCATTER and mine and not sent.home.done():
-        drain_before(g.tables)
-        return sent
-    drain(g.tables)
-    return None
-
-
-def fix_reads(g: Group, slot: Any, tab: Any, hrow: Any, count: Any, n: int, sent: Sent | None) -> None:
-    """After a read of ``n`` rows (the first ``count`` moves ``j``: host row ``hrow[j]`` of table
-    ``tab[j]`` into slot ``slot[j]``) that did not wait for the scatter of ``sent`` (the last
-    placement's rows going home, :func:`unlanded`): the rows read among those take their value
-    from its block. Such a row was read while, or before, its value was written home; the CPU
-    threads and the GPU then read what the host table held. Nothing if the read failed."""
-    if sent is None or n == 0 or sent.keys.size == 0:
-        return
-    if g.host:
-        if g.err is not None and g.err[0]:
-            return
-        c = min(int(count[0]), slot.size)
-        keys = tab[:c] * g.Rmax + hrow[:c]
-        at = np.minimum(np.searchsorted(sent.keys, keys), sent.keys.size - 1)
-        hit = sent.keys[at] == keys
-        for t, tb in enumerate(g.tables):
-            mine = hit & (tab[:c] == t)
-            tb._W[slot[:c][mine]] = sent.block[at[mine]]
-        return
-    F = g.tables[0]._W.shape[1]
-    vt, FT = LK.vector_kind(F, sent.block, *(tb._W for tb in g.tables))
-    _launch(f"tb_fix_{vt}", n, (slot, tab, hrow, count, np.int64(n), np.int32(FT), g.dev, np.int64(g.Rmax),
-                                sent.keys, np.int64(sent.keys.size), sent.block, cuda.ptr(g.err)))
 
 
 def gather(g: Group, slot: Any, tab: Any) -> Any:
@@ -877,12 +784,8 @@ def ran(g: Group, f: Front) -> Front:
 
 def place_front(g: Group, f: Front) -> Front:
     """The rest of :func:`place` after its :func:`front` has run (:func:`ran`): the rows move and
-    the ways settle. The read waits for the scatter of the rows earlier placements sent home;
-    under :data:`READS_BESIDE_SCATTER` not for the last placement's of the same tables
-    (:func:`unlanded`), and the rows it reads among those take their values from the block that
-    went home (:func:`fix_reads`)."""
+    the ways settle."""
     back, coming = int(f.host.cnt[0]), int(f.host.cnt[1])
-    g.sent = sent = unlanded(g)  # held by the group until its placement's work is waited for
     write_back(g, f.wslot, f.wtab, f.wrow, f.cnt[0:1], back)
     try:
         read(g, f.rslot, f.rtab, f.rrow, f.cnt[1:2], coming, f.host.tab, f.host.row)
@@ -891,7 +794,6 @@ def place_front(g: Group, f: Front) -> Front:
         g.err = g.tables[0].backend.xp.ones(1, np.int32)
         settle(g, f.row, f.victim, f.tid)  # the ways it was filling are emptied (their rows have gone home)
         raise
-    fix_reads(g, f.rslot, f.rtab, f.rrow, f.cnt[1:2], coming, sent)
     if g.reading is None:
         g.gathered.set()  # nor longer than a read that gathers nothing on the host
     settle(g, f.row, f.victim, f.tid)
