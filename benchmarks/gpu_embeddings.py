@@ -12,7 +12,9 @@ buffer), ``batch`` bags of 1 and 40 lookups, uniform and Zipf(1) indices
 * update: ``embeddings.pullback`` with SGD and row-wise Adagrad, and its phases (the stable
   argsort of the indices, the whole plan), against ``nn.EmbeddingBag(sparse=True)`` forward +
   backward + ``optim.SGD.step`` (and that minus its forward: the target compares with backward +
-  step).
+  step), and the rows' read-modify-write alone: every unique row of the batch read and written
+  back in place by one thread group a row, as the update's kernel has them (a measured floor for
+  random rows, which the streaming copy bandwidth overstates).
 
 Times are medians of CUDA-synchronised wall-clock runs. GB/s counts bytes moved once (rows and
 indices read, outputs written; an update reads and writes each unique row once and reads the
@@ -99,6 +101,34 @@ def copy_bandwidth(cp, nbytes: int, repeats: int) -> float:
     return 2 * nbytes / t / 1e9
 
 
+RMW_SOURCE = r"""
+extern "C" __global__ void rmw_rows(float4* W, int FT, const int* rows, long long n, float z) {
+    long long q = (long long)blockIdx.x * blockDim.y + threadIdx.y;
+    if (q >= n) return;
+    long long r = rows[q];
+    for (int c = threadIdx.x; c < FT; c += blockDim.x) {
+        float4 v = W[r * FT + c];
+        v.x -= z * v.x; v.y -= z * v.y; v.z -= z * v.z; v.w -= z * v.w;
+        W[r * FT + c] = v;
+    }
+}
+"""
+
+
+def rmw_time(cp, W, rows, repeats: int) -> float:
+    """Seconds (median, CUDA events) to read and write back every row of ``rows`` (sorted, unique)
+    of ``W`` in place, one thread group a row as the update's kernel has them, values unchanged
+    (``z`` = 0 at run time): what random rows' read-modify-write costs here, the part of the
+    update's traffic that the copy bandwidth, a streaming measure, does not show."""
+    from embeddings.gpu import cuda
+    kern = cp.RawKernel(RMW_SOURCE, "rmw_rows")
+    FT = W.shape[1] // 4
+    g, per = cuda.group(FT, pow2=True)
+    n = int(rows.size)
+    return event_time(lambda: kern((-(-n // per),), (g, per), (W, np.int32(FT), rows, np.int64(n), np.float32(0))),
+                      repeats)
+
+
 def indices_for(dist: str, nrows: int, shape: tuple[int, int], seed: int) -> np.ndarray:
     from embeddings import distributions as D
     f = D.uniform if dist == "uniform" else D.zipf
@@ -170,7 +200,10 @@ def main(argv=None) -> int:
                     lbytes = L * F * 4 + L * 4 + batch * F * 4
                     g = cp.random.default_rng(1).standard_normal((batch, F), dtype=cp.float32)
                     gt = torch.from_dlpack(g)
-                    U = int(cp.unique(I).size)
+                    uniq = cp.unique(I)
+                    U = int(uniq.size)
+                    t_rmw = rmw_time(cp, W, uniq, reps)
+                    del uniq
                     ubytes = batch * F * 4 + L * 4 + 2 * U * F * 4
                     flat = I.reshape(-1)
                     t_sort = timed(lambda: be.argsort(flat), sync, reps)
@@ -207,7 +240,8 @@ def main(argv=None) -> int:
                          "sgd_ms": t_sgd * 1e3, "adagrad_ms": t_ada * 1e3, "torch_step_ms": t_tstep * 1e3,
                          "torch_bwd_step_ms": t_tbwd * 1e3, "update_floor_ms": ubytes / (bw * 1e9) * 1e3,
                          "torch_bwd_step_over_ours_sgd": t_tbwd / t_sgd,
-                         "sgd_over_floor": t_sgd / (ubytes / (bw * 1e9))}
+                         "sgd_over_floor": t_sgd / (ubytes / (bw * 1e9)), "rmw_ms": t_rmw * 1e3,
+                         "rmw_GBps": 2 * U * F * 4 / t_rmw / 1e9, "sgd_over_rmw": t_sgd / t_rmw}
                     results.append(r)
                     print(f"  {case}: lookup {r['lookup_ms']:.3f} ms (kernel {r['lookup_kernel_ms']:.3f}) torch "
                           f"{r['torch_lookup_ms']:.3f} jax {r['jax_take_sum_ms']:.3f}; sgd {r['sgd_ms']:.3f} (sort "
@@ -241,10 +275,12 @@ def main(argv=None) -> int:
                 ["step"] + list(splits), [[st] + [splits[c][st] for c in splits] for st in steps])
     print_table("Updates (ms, medians)",
                 ["case", "unique", "long rows", "argsort", "sort i64 keys", "plan", "ours SGD", "ours Adagrad",
-                 "torch fwd+bwd+step", "torch bwd+step", "floor", "torch/ours", "ours/floor"],
+                 "torch fwd+bwd+step", "torch bwd+step", "floor", "torch/ours", "ours/floor", "rows' RMW",
+                 "RMW GB/s", "ours/RMW"],
                 [[r["case"], r["unique_rows"], r["long_rows"], r["sort_ms"], r["sort_int64_keys_ms"], r["plan_ms"],
                   r["sgd_ms"], r["adagrad_ms"], r["torch_step_ms"], r["torch_bwd_step_ms"], r["update_floor_ms"],
-                  r["torch_bwd_step_over_ours_sgd"], r["sgd_over_floor"]] for r in results])
+                  r["torch_bwd_step_over_ours_sgd"], r["sgd_over_floor"], r["rmw_ms"], r["rmw_GBps"],
+                  r["sgd_over_rmw"]] for r in results])
     print_targets(targets)
     write_json(args.out, {"environment": environment(), "quick": args.quick, "copy_GBps": bw, "results": results,
                           "host_split_us": splits,
