@@ -200,11 +200,13 @@ ALONE = 8  # batches whose placement and training step are timed one after the o
 STEPWISE = "ours, front step by step"  # split reads, each placement's front not replayed as a CUDA graph
 
 
-def apart(model, batches, reads: str) -> dict:
+def apart(model, batches, reads: str, hbm: Any = None, hbm_batches: list | None = None) -> dict:
     """Medians over ``batches``: the placement of a batch alone (every table's prefetch work run
     and its rows sent home landed, nothing beside it), then the training step on it alone (the
     batch already placed): the two parts that the trainer runs side by side (``reads``: how the
-    rows come up)."""
+    rows come up); and the step's wall time by phase. With ``hbm``, the in-HBM model's step alone
+    on ``hbm_batches`` as well (no next batch either, so each uploads its own indices in its
+    lookup): what the cache costs the training step itself, against its twin in HBM."""
     from embeddings.gpu import lru_group as LG
     from embeddings.gpu.backend import cuda_backend
 
@@ -213,6 +215,7 @@ def apart(model, batches, reads: str) -> dict:
     for t in tables:
         t.reads = reads
     place, step = [], []
+    timer, model.timer = model.timer, type(model.timer)()
     for b in batches:
         be.sync()
         t0 = time.perf_counter()
@@ -225,7 +228,21 @@ def apart(model, batches, reads: str) -> dict:
         be.sync()
         place.append(t1 - t0)
         step.append(time.perf_counter() - t1)
-    return {"reads": reads, "placement_ms": 1e3 * statistics.median(place), "step_ms": 1e3 * statistics.median(step)}
+    out = {"reads": reads, "placement_ms": 1e3 * statistics.median(place), "step_ms": 1e3 * statistics.median(step),
+           "step_phases_ms": per_step(model.timer)}
+    model.timer = timer
+    if hbm is not None:
+        timer, hbm.timer = hbm.timer, type(hbm.timer)()
+        alone = []
+        for b in hbm_batches:
+            be.sync()
+            t0 = time.perf_counter()
+            hbm.train_step(b, None)
+            be.sync()
+            alone.append(time.perf_counter() - t0)
+        out.update(hbm_step_ms=1e3 * statistics.median(alone), hbm_step_phases_ms=per_step(hbm.timer))
+        hbm.timer = timer
+    return out
 
 
 FLOOR_SHARES = (0.2, 0.35, 0.5, 0.65)  # GPU shares of the reads tried for a step's host traffic all at once
@@ -492,6 +509,10 @@ def gil_probe(step, ms: list[float], per: int = 20, nrounds: int = 3) -> dict:
             "side_runs": got["side_runs"], "steps": got["steps"]}
 
 
+def phase_list(phases: dict) -> str:
+    return ", ".join(f"{p} {v:.1f} ms" for p, v in phases.items())
+
+
 def per_step(timer) -> dict:
     """A trainer's phase timer as ms per step (a step has one lookup phase)."""
     return {p: 1e3 * v / max(1, timer.counts.get("lookup", 0)) for p, v in timer.table().items() if v}
@@ -747,7 +768,8 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
         ours.train_step(big_b[j % nsteps], None)  # takes the batch the last timed step prefetched
         reads, graphs = {c: (r, on) for c, r, on in variants}[best]
         LF.GRAPHS = graphs_default and graphs
-        res["apart"] = apart(ours, [big_b[(j + 1 + i) % nsteps] for i in range(ALONE)], reads)
+        res["apart"] = apart(ours, [big_b[(j + 1 + i) % nsteps] for i in range(ALONE)], reads,
+                             hbm, [small_b[(j + 1 + i) % nsteps] for i in range(ALONE)])
         LF.GRAPHS = graphs_default
     cpu_ms = res["prefetch_cpu_ms_per_step"]
     if cpu_ms > 0:
@@ -808,13 +830,14 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
     targets[f"part 1: >= 3x PyTorch with CPU tables ({best}: {res['ours_over_torch_cpu']:.2f}x)"] = \
         res["ours_over_torch_cpu"] >= 3
     for name, phases in res["ours_phases_ms_per_step"].items():
-        print(f"  ours{f' ({name})' if sets else ''}, wall time per step by phase: "
-              + ", ".join(f"{p_} {v:.1f} ms" for p_, v in phases.items()))
+        print(f"  ours{f' ({name})' if sets else ''}, wall time per step by phase: {phase_list(phases)}")
     if "apart" in res:
         a = res["apart"]
         print(f"  {best}, the two parts one after the other (medians of {ALONE}): placing a batch {a['placement_ms']:.1f} ms, "
               f"the training step on a placed batch {a['step_ms']:.1f} ms (in HBM: {hbm_ms:.1f} ms); "
               f"side by side: {1e3 * B / sps[best]:.1f} ms")
+        print(f"  the training step alone by phase, ours on a placed batch: {phase_list(a['step_phases_ms'])}; "
+              f"in HBM ({a['hbm_step_ms']:.1f} ms a step): {phase_list(a['hbm_step_phases_ms'])}")
     if "gil" in res:
         gl = res["gil"]
         alone = gl["alone"]
@@ -843,8 +866,7 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
         print(f"  the rows' traffic alone leaves the in-HBM step at {res['traffic_bound']:.2f}x; ours, with its "
               f"whole placement, runs at {res['ours_over_hbm']:.2f}x (each against the in-HBM step of its own "
               "measurement)")
-    print("  in HBM, wall time per step by phase: "
-          + ", ".join(f"{p_} {v:.1f} ms" for p_, v in res["in_hbm_phases_ms_per_step"].items()))
+    print(f"  in HBM, wall time per step by phase: {phase_list(res['in_hbm_phases_ms_per_step'])}")
     del th, tbs, contenders, hbm, ours, tables
     for v in views:
         v.release()
