@@ -88,7 +88,11 @@ def test_sparse_gradient_rows_are_unique_and_correct(case, weighted):
         rows, vals = E.sparse_gradient(E.SimpleEmbedding(table), grad, idx, offsets, weights=w)
         assert len(set(rows.tolist())) == len(rows) == len(set(idx.tolist()))
         G = dense_grad(len(table), idx, offsets, grad, w)
-        np.testing.assert_allclose(vals, G[rows], rtol=1e-5, atol=1e-5)
+        # float32 sums of many terms that cancel err in proportion to the terms' magnitudes, not
+        # to the sum's: the bound scales with the sum of absolute terms
+        S = dense_grad(len(table), idx, offsets, np.abs(grad), None if w is None else np.abs(w))
+        err = np.abs(vals - G[rows])
+        assert (err <= 1e-5 + 1e-5 * S[rows]).all(), float((err / (1e-5 + 1e-5 * S[rows])).max())
 
 
 @pytest.mark.parametrize("mode", ["sum", "mean"])
