@@ -200,49 +200,54 @@ ALONE = 8  # batches whose placement and training step are timed one after the o
 STEPWISE = "ours, front step by step"  # split reads, each placement's front not replayed as a CUDA graph
 
 
-def apart(model, batches, reads: str, hbm: Any = None, hbm_batches: list | None = None) -> dict:
+def steps_alone(model, batches, place=None, sync=None) -> tuple[list, list, dict]:
+    """For each of ``batches``: ``place(b)`` when given, then ``model.train_step(b, None)``, each
+    timed alone (``sync``, default CUDA's device synchronisation, around it). Returns the
+    placement and step seconds and the step's wall time by phase (ms a step), kept in a phase
+    timer of its own (the model's is put back)."""
+    if sync is None:
+        from embeddings.gpu.backend import cuda_backend
+        sync = cuda_backend().sync
+    placed, stepped = [], []
+    timer, model.timer = model.timer, type(model.timer)()
+    try:
+        for b in batches:
+            sync()
+            t0 = time.perf_counter()
+            if place is not None:
+                place(b)
+                sync()
+            t1 = time.perf_counter()
+            model.train_step(b, None)
+            sync()
+            placed.append(t1 - t0)
+            stepped.append(time.perf_counter() - t1)
+        return placed, stepped, per_step(model.timer)
+    finally:
+        model.timer = timer
+
+
+def apart(model, batches, reads: str, hbm, hbm_batches: list) -> dict:
     """Medians over ``batches``: the placement of a batch alone (every table's prefetch work run
     and its rows sent home landed, nothing beside it), then the training step on it alone (the
     batch already placed): the two parts that the trainer runs side by side (``reads``: how the
-    rows come up); and the step's wall time by phase. With ``hbm``, the in-HBM model's step alone
-    on ``hbm_batches`` as well (no next batch either, so each uploads its own indices in its
-    lookup): what the cache costs the training step itself, against its twin in HBM."""
+    rows come up). Beside them the in-HBM model ``hbm``'s step on ``hbm_batches``, timed the same
+    way (no next batch, so each step uploads its own indices in its lookup), and both steps by
+    phase: what the cache costs the training step itself."""
     from embeddings.gpu import lru_group as LG
-    from embeddings.gpu.backend import cuda_backend
 
-    be = cuda_backend()
     tables = model.tables
     for t in tables:
         t.reads = reads
-    place, step = [], []
-    timer, model.timer = model.timer, type(model.timer)()
-    for b in batches:
-        be.sync()
-        t0 = time.perf_counter()
+
+    def place(b) -> None:
         for work in type(tables[0]).prefetch_works(tables, [b.flat(i) for i in range(len(tables))]):
             work()
         LG.drain(tables)
-        be.sync()
-        t1 = time.perf_counter()
-        model.train_step(b, None)
-        be.sync()
-        place.append(t1 - t0)
-        step.append(time.perf_counter() - t1)
-    out = {"reads": reads, "placement_ms": 1e3 * statistics.median(place), "step_ms": 1e3 * statistics.median(step),
-           "step_phases_ms": per_step(model.timer)}
-    model.timer = timer
-    if hbm is not None:
-        timer, hbm.timer = hbm.timer, type(hbm.timer)()
-        alone = []
-        for b in hbm_batches:
-            be.sync()
-            t0 = time.perf_counter()
-            hbm.train_step(b, None)
-            be.sync()
-            alone.append(time.perf_counter() - t0)
-        out.update(hbm_step_ms=1e3 * statistics.median(alone), hbm_step_phases_ms=per_step(hbm.timer))
-        hbm.timer = timer
-    return out
+    placed, stepped, phases = steps_alone(model, batches, place)
+    _, alone, hbm_phases = steps_alone(hbm, hbm_batches)
+    return {"reads": reads, "placement_ms": 1e3 * statistics.median(placed), "step_ms": 1e3 * statistics.median(stepped),
+            "step_phases_ms": phases, "hbm_step_ms": 1e3 * statistics.median(alone), "hbm_step_phases_ms": hbm_phases}
 
 
 FLOOR_SHARES = (0.2, 0.35, 0.5, 0.65)  # GPU shares of the reads tried for a step's host traffic all at once
@@ -834,10 +839,11 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
     if "apart" in res:
         a = res["apart"]
         print(f"  {best}, the two parts one after the other (medians of {ALONE}): placing a batch {a['placement_ms']:.1f} ms, "
-              f"the training step on a placed batch {a['step_ms']:.1f} ms (in HBM: {hbm_ms:.1f} ms); "
-              f"side by side: {1e3 * B / sps[best]:.1f} ms")
+              f"the training step on a placed batch {a['step_ms']:.1f} ms against {a['hbm_step_ms']:.1f} ms for "
+              f"the in-HBM step timed the same way (each uploading its own indices); side by side: "
+              f"{1e3 * B / sps[best]:.1f} ms")
         print(f"  the training step alone by phase, ours on a placed batch: {phase_list(a['step_phases_ms'])}; "
-              f"in HBM ({a['hbm_step_ms']:.1f} ms a step): {phase_list(a['hbm_step_phases_ms'])}")
+              f"in HBM: {phase_list(a['hbm_step_phases_ms'])}")
     if "gil" in res:
         gl = res["gil"]
         alone = gl["alone"]

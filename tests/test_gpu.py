@@ -166,16 +166,15 @@ def test_a_page_locked_heap_dropped_unclosed_leaves_no_cuda_registration_behind(
     without being unlocked is unregistered by the time its memory goes, so a later heap mapped at
     the same addresses can be registered itself."""
     import gc
-    registered = gpu.page_locked_at
     dev = DRAM("8MiB", bandwidth=(10, 10))
     addr = dev.address(0)
-    assert gpu.pagelock(dev) and registered(addr)
+    assert gpu.pagelock(dev) and gpu.page_locked_at(addr)
     del dev
     gc.collect()
-    assert not registered(addr)
+    assert not gpu.page_locked_at(addr)
     again = DRAM("8MiB", bandwidth=(10, 10))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a refused registration warns
-        assert gpu.pagelock(again) and registered(again.address(0))
+        assert gpu.pagelock(again) and gpu.page_locked_at(again.address(0))
     gpu.pageunlock(again)
-    assert not registered(again.address(0))
+    assert not gpu.page_locked_at(again.address(0))

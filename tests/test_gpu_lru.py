@@ -1510,6 +1510,42 @@ def test_the_benchmarks_rounds_alternate_the_contenders_and_keep_every_rounds_ra
     assert all(got[n] == sorted(each[n])[1] for n in got)
 
 
+def test_the_benchmarks_steps_alone_place_then_step_each_batch_and_keep_the_models_timer():
+    """``gpu_dlrm.steps_alone``: each batch placed (when asked) and synchronised, then stepped
+    with no next batch and synchronised; the step's phases come from a timer of its own, per step,
+    and the model's timer is put back, also when a step raises."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import gpu_dlrm as GD
+    from dlrm.metrics import PhaseTimer
+    calls = []
+
+    class Model:
+        timer = PhaseTimer()
+
+        def train_step(self, b, nxt):
+            calls.append(("step", b, nxt))
+            if b == "bad":
+                raise RuntimeError("step failed")
+            with self.timer("lookup"):
+                time.sleep(0.002)
+    model, own = Model(), Model.timer
+    placed, stepped, phases = GD.steps_alone(model, [1, 2], lambda b: calls.append(("place", b)),
+                                             lambda: calls.append("sync"))
+    assert calls == ["sync", ("place", 1), "sync", ("step", 1, None), "sync",
+                     "sync", ("place", 2), "sync", ("step", 2, None), "sync"]
+    assert len(placed) == len(stepped) == 2 and min(stepped) >= 0.002
+    assert set(phases) == {"lookup"} and phases["lookup"] >= 2.0  # ms a step
+    assert model.timer is own and not own.seconds
+    calls.clear()
+    _, stepped, _ = GD.steps_alone(model, [3], sync=lambda: None)
+    assert calls == [("step", 3, None)] and len(stepped) == 1
+    with pytest.raises(RuntimeError, match="step failed"):
+        GD.steps_alone(model, ["bad"], sync=lambda: None)
+    assert model.timer is own
+
+
 def test_the_batches_of_a_prefetch_are_slices_of_one_block_in_table_order():
     """``prefetch_works`` copies each table's batch into the next slice of one page-locked block
     (of the type its rows fit), so a placement group's batches go up in one copy; the same pass
