@@ -23,17 +23,23 @@ _unsure = 0  # checks that ended undecided (both imports were copies)
 _devices: dict[tuple[int, int], tuple[Any, Any]] = {}  # (DLPack device type, id) -> (JAX device, stream)
 
 
-def from_dlpack(x: Any) -> Any:
+def from_dlpack(x: Any, *, ordered: bool = True) -> Any:
     """``jax.dlpack.from_dlpack(x)``: a JAX array over the memory of ``x`` (an object with
-    ``__dlpack__`` and ``__dlpack_device__``; a copy only where JAX would copy)."""
+    ``__dlpack__`` and ``__dlpack_device__``; a copy only where JAX would copy).
+
+    ``ordered=False`` is for a caller that waits for the exporter's stream itself before anyone
+    sees the result (a lookup that confirms its checks): JAX's work on the array is then not
+    ordered after that stream, and the import takes about a third of the host time (on an H200,
+    8 us against 22; the ordering records and waits on an event). It may run while the kernel
+    that writes ``x`` still does."""
     global _direct, _unsure
     import jax
     if _direct is False:
         return jax.dlpack.from_dlpack(x)
     if _direct:
-        return _import(x)
+        return _import(x, ordered)
     try:
-        arr = _import(x)
+        arr = _import(x, ordered)
     except Exception:
         _direct = False
         return jax.dlpack.from_dlpack(x)
@@ -51,14 +57,17 @@ def from_dlpack(x: Any) -> Any:
     return ref
 
 
-def _import(x: Any) -> Any:
+def _import(x: Any, ordered: bool = True) -> Any:
     from jax._src import dlpack as jdl
     kind, index = (int(v) for v in x.__dlpack_device__())
     entry = _devices.get((kind, index))
     if entry is None:
         entry = _devices[(kind, index)] = _device(jdl, kind, index)
     device, stream = entry
-    capsule = x.__dlpack__(stream=stream)
+    if stream is not None and not ordered:
+        capsule, stream = x.__dlpack__(stream=-1), None  # -1: the exporter orders nothing (DLPack)
+    else:
+        capsule = x.__dlpack__(stream=stream)
     if getattr(jdl, "jaxlib_extension_version", 0) >= 467:
         arr = jdl._jax.dlpack_managed_tensor_to_buffer(capsule, device, stream, None, kind)
     else:

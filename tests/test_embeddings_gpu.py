@@ -188,6 +188,46 @@ def test_bad_input_raises_the_cpu_error_before_anything_is_written(device_indice
         ops.lookup(be, "emb", W.astype(np.float64), np.array([1]))
 
 
+class _Recording(ReferenceBackend):
+    """The reference backend, recording its waits for the device among ``events``."""
+
+    def __init__(self, device_indices: bool, events: list) -> None:
+        super().__init__(device_indices)
+        self.events = events
+
+    def sync(self) -> None:
+        self.events.append("sync")
+
+
+@pytest.mark.parametrize("device_indices", [False, True])
+def test_a_new_lookups_output_is_wrapped_while_its_kernel_runs_only_where_the_call_waits_for_it(device_indices):
+    rng = np.random.default_rng(3)
+    W = table(rng, 50, 8)
+    idx = rng.integers(0, 50, (6, 3)).astype(np.int32)
+    events = []
+    be = _Recording(device_indices, events)
+
+    def wrap(out, ordered):
+        events.append(("wrap", ordered))
+        return ("wrapped", out)
+
+    tag, out = ops.lookup(be, "t", W, idx, wrap=wrap)
+    assert tag == "wrapped" and np.array_equal(out, E.lookup(E.SimpleEmbedding(W, "t"), idx))
+    # a device batch: the call waits to confirm the kernel's checks, so the output is wrapped
+    # before that wait and needs no ordering; a host batch was checked before, nothing waits
+    assert events == ([("wrap", False), "sync"] if device_indices else [("wrap", True)])
+    events.clear()
+    bad = idx.copy()
+    bad[4, 1] = 50
+    with pytest.raises(IndexError, match=r"t: index 50 at position \(4, 1\)"):
+        ops.lookup(be, "t", W, bad, wrap=wrap)
+    assert events == ([("wrap", False), "sync"] if device_indices else [])
+    events.clear()
+    into = np.zeros((6, 8), np.float32)
+    assert ops.lookup(be, "t", W, idx, out=into, wrap=wrap) is into and ("wrap", False) not in events
+    assert np.array_equal(into, out)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc to compile-check the CUDA source")
 def test_cuda_source_compiles_with_nvcc(tmp_path):
     src = tmp_path / "kernels.cu"

@@ -69,7 +69,7 @@ def test_a_type_jax_does_not_hold_is_canonicalised_as_jax_does(fresh):
 def test_a_direct_import_unlike_jaxs_falls_back_to_jax_for_good(fresh, monkeypatch, how):
     calls = []
 
-    def direct(x):
+    def direct(x, *_):
         calls.append(x)
         if how == "raises":
             raise TypeError("internals changed")
@@ -91,3 +91,32 @@ def test_the_lookup_handoff_imports_where_jax_has_a_gpu_and_hands_the_array_back
     monkeypatch.setattr(handoff, "_jax_gpu", True)
     x = handoff.to_jax(a)
     assert isinstance(x, jax.Array) and x.unsafe_buffer_pointer() == a.ctypes.data
+
+
+def test_an_unordered_import_asks_the_exporter_for_no_synchronisation_and_jax_for_no_stream(fresh, monkeypatch):
+    from jax._src import dlpack as jdl
+    a = _host_array()
+    fresh.from_dlpack(a)  # checked on a real import; the CPU device looked up
+    asked, given = [], []
+
+    class Exporter:  # ``a`` as a device array whose importer has a stream, as a GPU's has
+        def __dlpack_device__(self):
+            return a.__dlpack_device__()
+
+        def __dlpack__(self, stream=None):
+            asked.append(stream)
+            return a.__dlpack__()
+
+    (key, (device, _)), = fresh._devices.items()
+    fresh._devices[key] = (device, 7)
+    real = jdl._jax.dlpack_managed_tensor_to_buffer
+
+    def import_(capsule, dev, stream, *rest):
+        given.append(stream)
+        return real(capsule, dev, None, *rest)  # the CPU has no streams
+
+    monkeypatch.setattr(jdl._jax, "dlpack_managed_tensor_to_buffer", import_)
+    x = fresh.from_dlpack(Exporter(), ordered=False)
+    assert (asked, given) == ([-1], [None]) and x.unsafe_buffer_pointer() == a.ctypes.data
+    y = fresh.from_dlpack(Exporter())
+    assert (asked, given) == ([-1, 7], [None, 7]) and np.array_equal(np.asarray(y), a)

@@ -10,8 +10,10 @@ from typing import Any
 _jax_gpu: bool | None = None  # whether JAX has a GPU backend (looked up once)
 
 
-def to_jax(out: Any) -> Any:
-    """``out`` (a CuPy array) as a JAX array over the same memory; CuPy where JAX has no GPU."""
+def to_jax(out: Any, ordered: bool = True) -> Any:
+    """``out`` (a CuPy array) as a JAX array over the same memory; CuPy where JAX has no GPU.
+    ``ordered=False``: the caller waits for CuPy's stream before the result is used, so JAX
+    need not (:func:`cachedarrays.jaxdlpack.from_dlpack`)."""
     global _jax_gpu
     if _jax_gpu is None:
         import jax
@@ -22,4 +24,4 @@ def to_jax(out: Any) -> Any:
     if not _jax_gpu:
         return out
     from cachedarrays.jaxdlpack import from_dlpack
-    return from_dlpack(out)
+    return from_dlpack(out, ordered=ordered)

@@ -203,24 +203,41 @@ def run_pooled(be, out: Any, W: Any, bags: DeviceBags, flags: Any = None, slot: 
 
 
 def lookup(be, name: str, W: Any, indices: Any, offsets: Any = None, *, mode: str | None = None,
-           weights: Any = None, out: Any = None) -> Any:
+           weights: Any = None, out: Any = None, wrap: Callable[[Any, bool], Any] | None = None) -> Any:
     """Lookup (non-reducing or pooled, as :func:`embeddings.lookup`) from device table ``W``;
     into ``out`` when given (a device batch is confirmed first), else a new device array (the
-    kernel checks a device batch as it reads it; confirmed before returning)."""
+    kernel checks a device batch as it reads it; confirmed before returning).
+
+    ``wrap(out, ordered)`` makes what a new output is returned as (the tables' JAX array):
+    while the kernel runs where the call waits for it to confirm the checks (``ordered``
+    False: nothing after needs ordering on the device), else after the launch."""
     check_table(name, W)
     flags = be.flags(3)
     fresh = out is None
     bags, _, pending = device_bags(be, name, W.shape[0], indices, offsets, weights, mode, flags=flags, fused=fresh)
     shape = (bags.nout, W.shape[1])
-    if fresh:
-        out = be.xp.empty(shape, np.float32)
-    else:
+    if not fresh:
         check_out(be, out, shape, name)
         confirm(be, [pending])
-    run_pooled(be, out, W, bags, flags if fresh and pending is not None else None)
-    if fresh:
-        confirm(be, [pending])
-    return out
+        run_pooled(be, out, W, bags)
+        return out
+    out = be.xp.empty(shape, np.float32)
+    run_pooled(be, out, W, bags, None if pending is None else flags)
+    return handed(be, out, [pending], wrap)
+
+
+def handed(be, out: Any, pending: list[Pending | None], wrap: Callable[[Any, bool], Any] | None) -> Any:
+    """A new lookup output whose kernels are queued, once its checks are confirmed, as
+    ``wrap(out, ordered)`` makes it (:func:`lookup`). Host batches were validated before: nothing
+    waits for the kernels, so the result is ordered after them on the device."""
+    if wrap is None:
+        confirm(be, pending)
+        return out
+    if all(p is None for p in pending):
+        return wrap(out, True)
+    res = wrap(out, False)
+    confirm(be, pending)
+    return res
 
 
 def check_grad(be, name: str, grad: Any, nout: int, F: int) -> Any:

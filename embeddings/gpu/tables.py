@@ -56,13 +56,12 @@ def lookup(table: Any, indices: Any, offsets: Any, mode: str | None, weights: An
         return result if out is not None or isinstance(result, np.ndarray) else as_output(result)
     be = cuda_backend()
     if type(table.data) is be.xp.ndarray:  # nothing to pin: the common case without a context manager
-        result = ops.lookup(be, table.name, table.data, indices, offsets, mode=mode, weights=weights, out=out)
-        return result if out is not None else as_output(result)
+        return ops.lookup(be, table.name, table.data, indices, offsets, mode=mode, weights=weights, out=out,
+                          wrap=to_jax)
     with device_rows(table.data, write=False) as W:
         if W is None:
             return NotImplemented
-        result = ops.lookup(be, table.name, W, indices, offsets, mode=mode, weights=weights, out=out)
-    return result if out is not None else as_output(result)
+        return ops.lookup(be, table.name, W, indices, offsets, mode=mode, weights=weights, out=out, wrap=to_jax)
 
 
 def state_for(optimizer: Any, table: Any) -> Any:
@@ -143,9 +142,7 @@ def ensemble_lookup(tables: list, indices, offsets, mode, weights, out: Any = No
                 raise RuntimeError(f"{t.name}: moved off the GPU during an ensemble lookup")
             ops.check_table(t.name, W)
             ops.run_pooled(be, res[:, i, :], W, b, flags if fresh and p is not None else None, 3 * i)
-    if fresh:
-        ops.confirm(be, pending)
-    return res if out is not None else as_output(res)
+    return ops.handed(be, res, pending, to_jax) if fresh else res
 
 
 def _ensemble_lookup_per_table(tables: list, indices, offsets, mode, weights, out: Any) -> Any:
