@@ -55,14 +55,13 @@ class Plan:
     ``lbase[s]...``; ``NL`` long rows and ``NC`` chunk sums in all. With ``counts`` (a one-element
     device array, ``NL << 40 | NC``) the two numbers stay on the device, where the update's
     kernels read them, and ``NL`` and ``NC`` are their bounds: planning then does not wait for
-    the GPU (beside a prefetch that wait cost the DLRM step's update about 1 ms on the H100).
-    ``idx``: the flat indices sorted (the update applies rows with one entry in their order)."""
+    the GPU (beside a prefetch that wait cost the DLRM step's update about 1 ms on the H100)."""
 
-    __slots__ = ("perm", "srow", "lstart", "lend", "lbase", "NL", "NC", "counts", "idx")
+    __slots__ = ("perm", "srow", "lstart", "lend", "lbase", "NL", "NC", "counts")
 
-    def __init__(self, perm, srow, lstart, lend, lbase, NL: int, NC: int, counts: Any = None, idx: Any = None) -> None:
+    def __init__(self, perm, srow, lstart, lend, lbase, NL: int, NC: int, counts: Any = None) -> None:
         self.perm, self.srow, self.lstart, self.lend, self.lbase = perm, srow, lstart, lend, lbase
-        self.NL, self.NC, self.counts, self.idx = NL, NC, counts, idx
+        self.NL, self.NC, self.counts = NL, NC, counts
 
     def sizes(self) -> tuple[int, int]:
         """The number of long rows and of chunk sums (read from the device, a wait, when they are there)."""
@@ -255,7 +254,7 @@ class ReferenceBackend:
     def update(self, W, state, grad, plan: Plan, off, B, k, w, mean, opt, lr, eps) -> None:
         F = W.shape[1]
         reference.update(W, state, grad, plan.perm, plan.srow, off, B, k, w, mean, opt, lr, eps,
-                         4 if F % 4 == 0 else 1, plan.idx)
+                         4 if F % 4 == 0 else 1)
 
 
 class CudaBackend:
@@ -611,19 +610,10 @@ class CudaBackend:
                 (-(-plan.NL // rows),), (g, rows),
                 (W, np.int32(FT), np.int32(F), cuda.ptr(state), P, plan.srow, plan.lstart, plan.lend, plan.lbase,
                  np.int64(plan.NL), cuda.ptr(plan.counts), C) + step)
-        multi = plan.idx is not None
-        if multi:  # rows with one entry in batch order: their gradient rows read in sequence
-            one = self.xp.empty(L, np.uint8)
-            i32 = plan.srow.dtype == np.int32
-            cuda.kernel(f"singles_{'i32' if i32 else 'i64'}")(*cuda.grid_1d(L), (plan.srow, plan.perm, np.int64(L), one))
-            cuda.kernel(f"update_single_{suffix}")(
-                (-(-L // rows),), (g, rows),
-                (W, np.int32(FT), np.int32(F), cuda.ptr(state), grad, gstride, plan.idx, one, np.int64(L)) + common
-                + step)
         cuda.kernel(f"update_short_{suffix}")(
             (-(-L // rows),), (g, rows),
             (W, np.int32(FT), np.int32(F), cuda.ptr(state), grad, gstride, plan.srow, plan.perm, np.int64(L), C)
-            + common + step + (np.int32(multi),))
+            + common + step)
 
 
 def _blocks_out(xp: Any, blocks: list[np.ndarray], out: Any) -> Any:

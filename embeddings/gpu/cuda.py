@@ -150,14 +150,14 @@ __device__ __forceinline__ i64 run_end(const I* __restrict__ srow, i64 L, i64 q,
 
 /* Sum of the gradient contributions of sorted entries [q0, q1), vector c of the row, in entry order
    (N entries loaded ahead): acc += g (unweighted sum) or acc += coef * g (coef = w[p], 1/n for mean, or
-   w[p] * (1/n)). Without perm the entries are batch positions themselves. */
+   w[p] * (1/n)). */
 template <typename T, int N>
 struct Entries {
     const T* __restrict__ grad; i64 gstride; const i64* __restrict__ perm; i64 q0, q1;
     const i64* __restrict__ off; i64 B, k; const float* __restrict__ w; int mean;
 
     __device__ __forceinline__ T load(int c, i64 q, float &coef) const {
-        i64 p = perm ? perm[q] : q;
+        i64 p = perm[q];
         i64 b = bag_of(off, B, k, p);
         coef = 1.0f;
         if (mean) { i64 s, e; bag_range(off, k, b, s, e); coef = __fdiv_rn(1.0f, (float)(e - s)); }
@@ -235,19 +235,18 @@ __device__ __forceinline__ void apply_row(T* __restrict__ W, int FT, int F, floa
 }
 
 /* Rows of at most C entries: one thread group per sorted entry; the group of a run's first entry sums the run
-   and applies it (no list of unique rows needed: the plan has no host sync for their count). multi: only runs
-   of two or more entries (update_single has the rest). */
+   and applies it (no list of unique rows needed: the plan has no host sync for their count). */
 template <typename T, typename I>
 __device__ void update_short_body(T* W, int FT, int F, float* state, const T* grad, i64 gstride, const I* srow,
                                   const i64* perm, i64 L, i64 C, const i64* off, i64 B, i64 k, const float* w,
-                                  int mean, int opt, float lr, float eps, int multi) {
+                                  int mean, int opt, float lr, float eps) {
     i64 q = (i64)blockIdx.x * blockDim.y + threadIdx.y;
     bool active = q < L && (q == 0 || srow[q] != srow[q - 1]);
     i64 e = 0, r = 0;
     if (active) {
         r = (i64)srow[q];
         e = run_end(srow, L, q, srow[q], C, false);
-        active = e - q <= C && (!multi || e - q > 1);
+        active = e - q <= C;
     }
     /* 4 entries ahead: fewer registers, more rows in flight */
     Entries<T, 4> src{grad, gstride, perm, q, e, off, B, k, w, mean};
@@ -260,27 +259,6 @@ __device__ __forceinline__ void long_counts(const u64* counts, i64& NL, i64& NC)
     u64 x = *counts;
     NL = (i64)(x >> 40);
     NC = (i64)(x & (((u64)1 << 40) - 1));
-}
-
-/* one[perm[q]] = whether sorted entry q is its row's only entry in the batch. */
-template <typename I>
-__device__ void singles_body(const I* srow, const i64* perm, i64 L, unsigned char* one) {
-    for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; q < L; q += (i64)gridDim.x * blockDim.x)
-        one[perm[q]] = (q == 0 || srow[q - 1] != srow[q]) && (q + 1 == L || srow[q + 1] != srow[q]);
-}
-
-/* The rows with one entry in the batch, in batch order: one thread group per batch position p, which applies
-   its gradient row to row idx[p] if one[p]. A row's single term is summed as update_short sums it, so the result
-   is the same; in batch order the gradient rows are read in sequence, not scattered by the sort. */
-template <typename T, typename I>
-__device__ void update_single_body(T* W, int FT, int F, float* state, const T* grad, i64 gstride, const I* idx,
-                                   const unsigned char* one, i64 L, const i64* off, i64 B, i64 k, const float* w,
-                                   int mean, int opt, float lr, float eps) {
-    i64 p = (i64)blockIdx.x * blockDim.y + threadIdx.y;
-    bool active = p < L && one[p];
-    i64 r = active ? (i64)idx[p] : 0;
-    Entries<T, 1> src{grad, gstride, nullptr, p, p + 1, off, B, k, w, mean};
-    apply_row(W, FT, F, state, opt, lr, eps, r, active, src);
 }
 
 /* Chunk j of the long rows (slot: the last with lbase[slot] <= j) into P[j]. */
@@ -331,13 +309,8 @@ POOLED(pooled_v1_i64, float, i64)
 #define UPDATE(SUFFIX, T, I) \
 extern "C" __global__ void update_short_##SUFFIX(T* W, int FT, int F, float* state, const T* grad, i64 gstride, \
         const I* srow, const i64* perm, i64 L, i64 C, const i64* off, i64 B, i64 k, const float* w, int mean, int opt, \
-        float lr, float eps, int multi) { \
-    update_short_body<T, I>(W, FT, F, state, grad, gstride, srow, perm, L, C, off, B, k, w, mean, opt, lr, eps, \
-                            multi); } \
-extern "C" __global__ void update_single_##SUFFIX(T* W, int FT, int F, float* state, const T* grad, i64 gstride, \
-        const I* idx, const unsigned char* one, i64 L, const i64* off, i64 B, i64 k, const float* w, int mean, \
-        int opt, float lr, float eps) { \
-    update_single_body<T, I>(W, FT, F, state, grad, gstride, idx, one, L, off, B, k, w, mean, opt, lr, eps); } \
+        float lr, float eps) { \
+    update_short_body<T, I>(W, FT, F, state, grad, gstride, srow, perm, L, C, off, B, k, w, mean, opt, lr, eps); } \
 extern "C" __global__ void update_long_##SUFFIX(T* W, int FT, int F, float* state, const T* P, const I* srow, \
         const i64* lstart, const i64* lend, const i64* lbase, i64 NL, const u64* counts, i64 C, int opt, float lr, \
         float eps) { \
@@ -354,12 +327,6 @@ extern "C" __global__ void NAME(T* P, int FT, const T* grad, i64 gstride, const 
     chunk_sums_body<T>(P, FT, grad, gstride, perm, lstart, lend, lbase, NL, NC, counts, C, off, B, k, w, mean); }
 CHUNKS(chunk_sums_v4, float4)
 CHUNKS(chunk_sums_v1, float)
-
-#define SINGLES(NAME, I) \
-extern "C" __global__ void NAME(const I* srow, const i64* perm, i64 L, unsigned char* one) { \
-    singles_body<I>(srow, perm, L, one); }
-SINGLES(singles_i32, int)
-SINGLES(singles_i64, i64)
 
 /* srow[q] = idx[perm[q]]: the sorted rows, read contiguously by the kernels above. */
 #define SORTED_ROWS(NAME, I) \

@@ -296,7 +296,7 @@ def plans(be, idxs: list, F: int | None = None) -> list[Plan]:
     perms = be.argsorts(idxs)
     srows = [be.sorted_rows(idx, perm) for idx, perm in zip(idxs, perms)]
     runs = be.long_rows(srows, reference.CHUNK, F)
-    return [Plan(perm, srow, *r, idx=idx) for perm, srow, r, idx in zip(perms, srows, runs, idxs)]
+    return [Plan(perm, srow, *r) for perm, srow, r in zip(perms, srows, runs)]
 
 
 def plan(be, idx: Any, F: int | None = None) -> Plan:

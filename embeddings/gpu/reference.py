@@ -78,18 +78,7 @@ def chunk_len(n: int, C: int = CHUNK) -> int:
     return max(C, math.isqrt(n - 1) + 1)
 
 
-def singles(perm: np.ndarray, srow: np.ndarray) -> np.ndarray:
-    """``one[p]``: whether batch position ``p`` is its row's only entry (the ``singles`` kernel)."""
-    L = srow.size
-    one = np.zeros(L, bool)
-    if L:
-        first = np.concatenate(([True], srow[1:] != srow[:-1]))
-        last = np.concatenate((srow[1:] != srow[:-1], [True]))
-        one[np.asarray(perm, np.int64)] = first & last
-    return one
-
-
-def update(W, state, grad, perm, srow, off, B, k, w, mean, opt, lr, eps, vec: int, idx=None) -> None:
+def update(W, state, grad, perm, srow, off, B, k, w, mean, opt, lr, eps, vec: int) -> None:
     """The CUDA update kernels, row by row (small inputs only: a Python loop).
 
     Each run ``q0:q1`` of equal ``srow`` (row ``r``) gets the gradient rows of its entries
@@ -97,51 +86,44 @@ def update(W, state, grad, perm, srow, off, B, k, w, mean, opt, lr, eps, vec: in
     of more than :data:`CHUNK` entries chunk by chunk with the chunk sums added in order; then
     ``row - mult * acc``. Row-wise Adagrad sums squares as the kernel's thread group does: ``vec``
     floats per thread chunk (4 or 1), thread ``t`` of ``G`` takes chunks ``t, t + G, ...``, then a
-    butterfly. Given the flat indices ``idx``, the rows with one entry go first, in batch order
-    (``update_single``), and the runs of two or more after them."""
+    butterfly."""
     F = W.shape[1]
     perm = np.asarray(perm, np.int64)
     L = perm.size
     offsets = off if off is not None else np.arange(B + 1, dtype=np.int64) * k
-    bag = np.searchsorted(offsets, np.arange(L), side="right") - 1  # of each batch position
+    bag = np.searchsorted(offsets, perm, side="right") - 1
     scaled = w is not None or mean
     if scaled:
         coef = np.ones(L, np.float32)
         if mean:
             coef = np.float32(1.0) / (offsets[bag + 1] - offsets[bag]).astype(np.float32)
         if w is not None:
-            coef = (np.asarray(w, np.float32) * coef) if mean else np.asarray(w, np.float32)
+            coef = (np.asarray(w, np.float32)[perm] * coef) if mean else np.asarray(w, np.float32)[perm]
     lr32, eps32 = np.float32(lr), np.float32(eps)
 
-    def total(ps) -> np.ndarray:
+    def run(q0: int, q1: int) -> np.ndarray:
         acc = np.zeros(F, np.float32)
-        for p in ps:
-            acc = acc + coef[p] * grad[bag[p]] if scaled else acc + grad[bag[p]]
+        for q in range(q0, q1):
+            acc = acc + coef[q] * grad[bag[q]] if scaled else acc + grad[bag[q]]
         return acc
 
-    def apply(r: int, acc: np.ndarray) -> None:
+    heads = np.flatnonzero(np.concatenate(([True], srow[1:] != srow[:-1]))) if L else np.zeros(0, np.int64)
+    for q0, q1 in zip(heads, np.append(heads[1:], L)):
+        q0, q1 = int(q0), int(q1)
+        r = int(srow[q0])
+        if q1 - q0 <= CHUNK:
+            acc = run(q0, q1)
+        else:
+            cl = chunk_len(q1 - q0)
+            acc = np.zeros(F, np.float32)
+            for a in range(q0, q1, cl):
+                acc = acc + run(a, min(a + cl, q1))
         mult = lr32
         if opt == 1:
             st = np.float32(state[r] + _sumsq(acc, vec) / np.float32(F))
             state[r] = st
             mult = lr32 / (np.sqrt(st) + eps32)
         W[r] = W[r] - np.float32(mult) * acc
-
-    heads = np.flatnonzero(np.concatenate(([True], srow[1:] != srow[:-1]))) if L else np.zeros(0, np.int64)
-    runs = list(zip(heads.tolist(), np.append(heads[1:], L).tolist()))
-    if idx is not None:
-        for p in np.flatnonzero(singles(perm, srow)):
-            apply(int(idx[p]), total([p]))
-        runs = [(q0, q1) for q0, q1 in runs if q1 - q0 > 1]
-    for q0, q1 in runs:
-        if q1 - q0 <= CHUNK:
-            acc = total(perm[q0:q1])
-        else:
-            cl = chunk_len(q1 - q0)
-            acc = np.zeros(F, np.float32)
-            for a in range(q0, q1, cl):
-                acc = acc + total(perm[a:min(a + cl, q1)])
-        apply(int(srow[q0]), acc)
 
 
 def lanes(F: int, vec: int) -> int:
