@@ -246,8 +246,9 @@ def apart(model, batches, reads: str, hbm, hbm_batches: list) -> dict:
         LG.drain(tables)
     placed, stepped, phases = steps_alone(model, batches, place)
     _, alone, hbm_phases = steps_alone(hbm, hbm_batches)
-    return {"reads": reads, "placement_ms": 1e3 * statistics.median(placed), "step_ms": 1e3 * statistics.median(stepped),
-            "step_phases_ms": phases, "hbm_step_ms": 1e3 * statistics.median(alone), "hbm_step_phases_ms": hbm_phases}
+    return {"reads": reads, "placement_ms": 1e3 * statistics.median(placed),
+            "step_ms": 1e3 * statistics.median(stepped), "step_phases_ms": phases,
+            "hbm_step_ms": 1e3 * statistics.median(alone), "hbm_step_phases_ms": hbm_phases}
 
 
 FLOOR_SHARES = (0.2, 0.35, 0.5, 0.65)  # GPU shares of the reads tried for a step's host traffic all at once
@@ -662,10 +663,12 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
     t0 = time.perf_counter()
     # a cache must not see a batch twice: the timed steps follow the warm-up on fresh batches
     sets = args.policy in ("lru", "lfu")
-    # ours' contenders (name, reads, graphs), on one model; lru/lfu: split, mapped and staged reads, split without graphs
+    # ours' contenders (name, reads, graphs), on one model; lru/lfu: split, mapped and staged reads, split
+    # without graphs
     variants = [("ours", "split", True)]
     if sets:
-        variants += [("ours, mapped reads", "mapped", True), ("ours, staged reads", "staged", True), (STEPWISE, "split", False)]
+        variants += [("ours, mapped reads", "mapped", True), ("ours, staged reads", "staged", True),
+                     (STEPWISE, "split", False)]
     nsteps = max(args.steps, len(variants) * (args.rounds * args.per_round + 5) + 2 + (ALONE + 1 if sets else 0))
     big_b, small_b = make_batches(nsteps, T, n, small, B, k, seed=1)
     print(f"  index stream: {nsteps} batches in {time.perf_counter() - t0:.1f} s (ours never sees one twice)",

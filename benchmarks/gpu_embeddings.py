@@ -16,13 +16,13 @@ buffer), ``batch`` bags of 1 and 40 lookups, uniform and Zipf(1) indices
   back in place by one thread group a row, as the update's kernel has them (a measured floor for
   random rows, which the streaming copy bandwidth overstates).
 
-Times are medians of CUDA-synchronised wall-clock runs (lookups ten times as many as updates). GB/s counts bytes moved once (rows and
-indices read, outputs written; an update reads and writes each unique row once and reads the
-gradient and the indices) against the device-to-device copy bandwidth measured here (read +
-write). Targets: lookup at least as fast as torch in every case; pooled lookups (40 per bag) at
->= 60% of the copy bandwidth; the SGD update >= 5x faster than torch's backward + step and
-within 1.5x of its memory-traffic floor. A table of host-side costs (microseconds per call of
-each step of a lookup) shows where the time outside the kernel goes.
+Times are medians of CUDA-synchronised wall-clock runs (lookups ten times as many as updates).
+GB/s counts bytes moved once (rows and indices read, outputs written; an update reads and writes
+each unique row once and reads the gradient and the indices) against the device-to-device copy
+bandwidth measured here (read + write). Targets: lookup at least as fast as torch in every case;
+pooled lookups (40 per bag) at >= 60% of the copy bandwidth; the SGD update >= 5x faster than
+torch's backward + step and within 1.5x of its memory-traffic floor. A table of host-side costs
+(microseconds per call of each step of a lookup) shows where the time outside the kernel goes.
 10M rows (``--quick``: 1M rows, batch 8192). Writes ``results/gpu_embeddings.json``.
 """
 
@@ -68,7 +68,7 @@ def host_split(cp, be, table, W, I, reps: int = 200) -> dict[str, float]:
     import jax
 
     import embeddings as E
-    from embeddings.gpu import handoff, ops, tables
+    from embeddings.gpu import handoff, ops
 
     def per_call(fn) -> float:
         fn()
@@ -89,7 +89,7 @@ def host_split(cp, be, table, W, I, reps: int = 200) -> dict[str, float]:
         "empty output": per_call(lambda: cp.empty((bags.nout, W.shape[1]), cp.float32)),
         "kernel launch": per_call(lambda: ops.run_pooled(be, out, W, bags)),
         "launch + sync": per_call(lambda: (ops.run_pooled(be, out, W, bags), be.sync())),
-        "JAX handoff (ours)": per_call(lambda: tables.as_output(out)),
+        "JAX handoff (ours)": per_call(lambda: handoff.to_jax(out)),
         "JAX handoff (ours, unordered)": per_call(lambda: handoff.to_jax(out, ordered=False)),
         "JAX handoff (jax.dlpack)": per_call(lambda: jax.dlpack.from_dlpack(out)),
         "ops.lookup (CuPy out)": per_call(lambda: ops.lookup(be, table.name, W, I)),
@@ -126,7 +126,7 @@ def rmw_time(cp, W, rows, repeats: int) -> float:
     (``z`` = 0 at run time): what random rows' read-modify-write costs here, the part of the
     update's traffic that the copy bandwidth, a streaming measure, does not show."""
     from embeddings.gpu import cuda
-    kern = cp.RawKernel(RMW_SOURCE, "rmw_rows")
+    kern = cuda.compiled(RMW_SOURCE).get_function("rmw_rows")
     FT = W.shape[1] // 4
     g, per = cuda.group(FT, pow2=True)
     n = int(rows.size)

@@ -38,11 +38,6 @@ def device_rows(data: Any, write: bool) -> Iterator[Any]:
     yield cuda_backend().asarray(data)
 
 
-def as_output(out: Any) -> Any:
-    """A lookup's CuPy output as a JAX array without a copy (CuPy where JAX has no GPU)."""
-    return to_jax(out)
-
-
 def _cached(table: Any) -> bool:
     """A GPU cached table (:mod:`.cached` or :mod:`.lru`): batches resolve to its slots."""
     return getattr(table, "gpu_cache", False)
@@ -53,7 +48,7 @@ def lookup(table: Any, indices: Any, offsets: Any, mode: str | None, weights: An
     now) or of a GPU CachedEmbeddings."""
     if _cached(table):
         result = cached.lookup(table, indices, offsets, mode, weights, out)
-        return result if out is not None or isinstance(result, np.ndarray) else as_output(result)
+        return result if out is not None or isinstance(result, np.ndarray) else to_jax(result)
     be = cuda_backend()
     if type(table.data) is be.xp.ndarray:  # nothing to pin: the common case without a context manager
         return ops.lookup(be, table.name, table.data, indices, offsets, mode=mode, weights=weights, out=out,
@@ -165,7 +160,7 @@ def _ensemble_lookup_per_table(tables: list, indices, offsets, mode, weights, ou
             cached.lookup(t, i, o, mode, w, out=res[:, n, :], bags=b)
         else:
             res[:, n, :] = _raw_lookup(t, i, o, mode, w)
-    return res if out is not None or isinstance(res, np.ndarray) else as_output(res)
+    return res if out is not None or isinstance(res, np.ndarray) else to_jax(res)
 
 
 def _raw_lookup(table: Any, indices, offsets, mode, weights) -> Any:
