@@ -19,9 +19,18 @@ from .protocol import EmbeddingTable
 
 @dataclass
 class SGD:
-    """Plain SGD: ``row -= lr * g``."""
+    """Plain SGD: ``row -= lr * g``.
+
+    ``deterministic=False`` lets a GPU table skip the update's plan (a sort of the whole batch):
+    one kernel sums each row's entries within tiles of the batch and adds the sums to the row by
+    atomic adds, in the order they land. A row with one entry in the batch rounds as in the
+    deterministic update; a row with several gets the same sum in an order that varies from run
+    to run (float rounding: not reproducible bit for bit). CPU tables are always deterministic
+    and ignore it.
+    """
 
     lr: float
+    deterministic: bool = True
 
     code = U.SGD
     eps = 0.0

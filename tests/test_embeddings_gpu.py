@@ -95,6 +95,32 @@ def test_reference_update_matches_the_cpu_pullback(opt, device_indices):
         assert np.array_equal(dev[~touched], W[~touched]) and not np.array_equal(dev[touched], W[touched])
 
 
+@pytest.mark.parametrize("device_indices", [False, True])
+def test_any_order_sgd_makes_no_plan_matches_the_cpu_and_rounds_rows_of_one_entry_exactly(device_indices,
+                                                                                          monkeypatch):
+    rng = np.random.default_rng(21)
+    be = ReferenceBackend(device_indices)
+    monkeypatch.setattr(be, "argsorts", lambda idxs: pytest.fail("an any-order SGD update made a plan"))
+    for F, dup, mode, weighted in ((64, False, "sum", False), (12, True, "mean", False), (8, True, "sum", True),
+                                   (8, False, "mean", True)):
+        W = table(rng, 40, F)
+        idx, off = batch(rng, 40, 11, 9, dup)
+        w = rng.random(idx.size).astype(np.float32) if weighted else None
+        g = rng.standard_normal((11, F)).astype(np.float32)
+        cpu, exact, dev = W.copy(), W.copy(), W.copy()
+        E.pullback(E.SimpleEmbedding(cpu, "t", align=False), g, idx, off, mode=mode, weights=w,
+                   optimizer=E.SGD(0.1, deterministic=False))
+        ops.pullback(ReferenceBackend(device_indices), "t", exact, None, g, idx, off, mode=mode, weights=w,
+                     optimizer=E.SGD(0.1))
+        ops.pullback(be, "t", dev, None, g, idx, off, mode=mode, weights=w, optimizer=E.SGD(0.1, deterministic=False))
+        np.testing.assert_allclose(dev, cpu, rtol=2e-6, atol=2e-6)
+        uses = np.bincount(idx, minlength=40)
+        assert np.array_equal(dev[uses == 1], exact[uses == 1]) and np.array_equal(dev[uses == 0], W[uses == 0])
+        assert not np.array_equal(dev[uses > 0], W[uses > 0])
+        if dup:
+            assert (uses > 1).any()
+
+
 def test_update_plan_groups_each_rows_entries_in_batch_order():
     be = ReferenceBackend()
     idx = np.array([5, 2, 5, 9, 2, 5], np.int64)
@@ -173,15 +199,16 @@ def test_bad_input_raises_the_cpu_error_before_anything_is_written(device_indice
             ops.lookup(be, "emb", W, **kw)
         assert str(dev_err.value) == str(cpu_err.value)
         before = W.copy()
-        with pytest.raises(exc, match="emb"):
-            ops.pullback(be, "emb", W, None, g, **kw,
-                         optimizer=E.SGD(0.1))
-        assert np.array_equal(W, before)
+        for opt in (E.SGD(0.1), E.SGD(0.1, deterministic=False)):
+            with pytest.raises(exc, match="emb"):
+                ops.pullback(be, "emb", W, None, g, **kw, optimizer=opt)
+            assert np.array_equal(W, before)
     bad = g.copy()
     bad[2, 5] = np.nan
-    with pytest.raises(FloatingPointError, match="emb: non-finite gradient in output row 2"):
-        ops.pullback(be, "emb", W, None, bad, np.array([[1, 2], [3, 4], [5, 6]]), optimizer=E.SGD(0.1))
-    assert np.array_equal(W, before)
+    for opt in (E.SGD(0.1), E.SGD(0.1, deterministic=False)):
+        with pytest.raises(FloatingPointError, match="emb: non-finite gradient in output row 2"):
+            ops.pullback(be, "emb", W, None, bad, np.array([[1, 2], [3, 4], [5, 6]]), optimizer=opt)
+        assert np.array_equal(W, before)
     with pytest.raises(ValueError, match=r"gradient shape \(2, 8\)"):
         ops.pullback(be, "emb", W, None, g[:2], np.array([[1, 2], [3, 4], [5, 6]]), optimizer=E.SGD(0.1))
     with pytest.raises(TypeError, match="float32"):
@@ -237,7 +264,7 @@ def test_cuda_source_compiles_with_nvcc(tmp_path):
     assert r.returncode == 0, r.stderr
     ptx = (tmp_path / "k.ptx").read_text()
     for name in ("pooled_v4_i32", "pooled_v1_i64", "update_short_v4_i32", "update_long_v1_i64", "chunk_sums_v4",
-                 "sorted_rows_i64", "long_rows_i32", "check_i32"):
+                 "sorted_rows_i64", "long_rows_i32", "check_i32", "sgd_any7_v4_i32", "sgd_any9_v1_i64"):
         assert f".entry {name}(" in ptx
 
 
@@ -462,10 +489,11 @@ def test_gpu_ensemble_matches_the_cpu():
     idx = [rng.integers(0, W.shape[0], (128, 20)) for W in Ws]
     assert np.array_equal(np.asarray(ens.lookup(idx)), cpu.lookup(idx))
     g = rng.standard_normal((128, 3, 64)).astype(np.float32)
-    cpu.pullback(g, idx, optimizer=E.RowwiseAdagrad(0.1))
-    ens.pullback(cp.asarray(g), idx, optimizer=E.RowwiseAdagrad(0.1))
-    for i, d in enumerate(dev):
-        np.testing.assert_allclose(d.get(), cpu.tables[i].data, rtol=1e-5, atol=1e-5)
+    for opt in (E.RowwiseAdagrad(0.1), E.SGD(0.1, deterministic=False)):
+        cpu.pullback(g, idx, optimizer=opt)
+        ens.pullback(cp.asarray(g), idx, optimizer=opt)
+        for i, d in enumerate(dev):
+            np.testing.assert_allclose(d.get(), cpu.tables[i].data, rtol=1e-5, atol=1e-5)
     before = [d.get() for d in dev]
     bad = [i.copy() for i in idx]
     bad[2][5, 3] = 10 ** 6
@@ -520,6 +548,54 @@ def test_gpu_update_equals_the_reference_bit_for_bit(opt, counted_on, monkeypatc
         on_gpu = ops.plan(cuda_backend(), cp.asarray(idx.reshape(-1)), F)
         assert (on_gpu.counts is not None) == (counted_on == "device")
         assert on_gpu.sizes() == (plan.NL, plan.NC) and on_gpu.NL >= plan.NL and on_gpu.NC >= plan.NC
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
+def test_gpu_any_order_sgd_equals_its_reference_on_rows_of_one_entry_and_within_rounding_elsewhere():
+    """The any-order SGD kernel (float4 and float rows, tiles of 128 and 512 entries, int32/int64
+    and host/device indices, sum/mean/weighted, CSR bags) against its numpy reference: rows with
+    one entry bit for bit, rows with many (one row takes half the batch) within float rounding of
+    the reference's batch order; a bad device index leaves the table unwritten."""
+    import cupy as cp
+    from embeddings.gpu.backend import cuda_backend
+    rng = np.random.default_rng(22)
+    opt = E.SGD(0.05, deterministic=False)
+    for F, mode, weighted, dtype in ((64, "sum", False, np.int32), (256, "mean", False, np.int64),
+                                     (10, "sum", True, np.int64), (12, "mean", True, np.int32)):
+        nvec, B, k = 5000, 512, 8
+        W = table(rng, nvec, F)
+        idx = _skewed_batch(rng, nvec, B * k).astype(dtype).reshape(B, k)
+        w = rng.random(idx.shape).astype(np.float32) if weighted else None
+        g = rng.standard_normal((B, F)).astype(np.float32)
+        ref = W.copy()
+        ops.pullback(ReferenceBackend(), "t", ref, None, g, idx, mode=mode, weights=w, optimizer=opt)
+        uses = np.bincount(idx.ravel(), minlength=nvec)
+        assert uses.max() > 1000 and (uses == 1).sum() > 100
+        for device_idx in (False, True):
+            dev = cp.asarray(W)
+            ix = cp.asarray(idx) if device_idx else idx
+            ops.pullback(cuda_backend(), "t", dev, None, cp.asarray(g), ix, mode=mode,
+                         weights=None if w is None else (cp.asarray(w) if device_idx else w), optimizer=opt)
+            got = dev.get()
+            assert np.array_equal(got[uses <= 1], ref[uses <= 1]), (F, mode, weighted, device_idx)
+            np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4, err_msg=f"{F} {mode} {weighted} {device_idx}")
+    cidx, coff = batch(rng, 1000, 700, 12, dup=True)  # CSR bags, some empty, of 3 rows
+    cw = rng.random(cidx.size).astype(np.float32)
+    cg = rng.standard_normal((700, 16)).astype(np.float32)
+    W16 = table(rng, 1000, 16)
+    ref, dev = W16.copy(), cp.asarray(W16)
+    ops.pullback(ReferenceBackend(), "t", ref, None, cg, cidx, coff, mode="mean", weights=cw, optimizer=opt)
+    ops.pullback(cuda_backend(), "t", dev, None, cp.asarray(cg), cp.asarray(cidx), cp.asarray(coff), mode="mean",
+                 weights=cp.asarray(cw), optimizer=opt)
+    np.testing.assert_allclose(dev.get(), ref, rtol=1e-5, atol=1e-4)
+    assert np.array_equal(dev.get()[3:], W16[3:]) and not np.array_equal(ref[:3], W16[:3])
+    d = cp.asarray(W)
+    bad = cp.asarray(idx)
+    bad[7, 2] = nvec
+    with pytest.raises(IndexError, match=rf"emb: index {nvec} at position \(7, 2\)"):
+        E.pullback(E.SimpleEmbedding(d, "emb"), cp.asarray(g), bad, mode="mean", optimizer=opt)
+    assert np.array_equal(d.get(), W)
 
 
 @pytest.mark.gpu

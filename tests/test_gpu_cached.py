@@ -33,6 +33,19 @@ def zipf_batch(rng, nbags: int, k: int, n: int = N) -> np.ndarray:
     return ((rng.zipf(1.3, (nbags, k)) - 1) % n).astype(np.int64)
 
 
+OPTIMIZERS = {"sgd": lambda: E.SGD(0.1), "sgd_any": lambda: E.SGD(0.1, deterministic=False),
+              "adagrad": lambda: E.RowwiseAdagrad(0.1)}
+
+
+def assert_gpu_same(got, want, opt: str, msg: object = None) -> None:
+    """Bit for bit, except after any-order SGD on a GPU: there a row with several entries in a
+    batch sums them in the order its atomic adds land (on the reference backend, in batch order)."""
+    if opt == "sgd_any":  # rounding of sums of many entries: relative to the largest values
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=3e-5 * float(np.abs(want).max()), err_msg=str(msg))
+    else:
+        assert np.array_equal(got, want), msg
+
+
 def contents(t: CachedEmbeddings) -> np.ndarray:
     """The table as a reader sees it, without side effects: base rows, with every cached row taken
     from its device slot and updated staged rows from the staging area."""
@@ -74,14 +87,14 @@ def _as_np(x) -> np.ndarray:
 
 
 @pytest.mark.parametrize("policy", ["dynamic", "static", "simple"])
-@pytest.mark.parametrize("opt", ["sgd", "adagrad"])
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
 def test_lookups_and_updates_equal_the_uncached_table_bit_for_bit(policy, opt):
     rng = np.random.default_rng(1)
     W0 = rng.standard_normal((N, F)).astype(np.float32)
     m = host_manager()
     t = CachedEmbeddings(W0, m, policy=policy, cache_rows=60, page_rows=8, name="emb")
     ref = Reference(W0)
-    make = (lambda: E.SGD(0.1)) if opt == "sgd" else (lambda: E.RowwiseAdagrad(0.1))
+    make = OPTIMIZERS[opt]
     ours, theirs = make(), make()
     for step in range(40):
         if step % 3 == 0:  # CSR bags with weights, mean
@@ -410,8 +423,8 @@ def gpu_manager() -> Manager:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
-@pytest.mark.parametrize("policy", ["dynamic", "static", "simple"])
-@pytest.mark.parametrize("opt", ["sgd", "adagrad"])
+@pytest.mark.parametrize("policy,opt", [(p, o) for p in ("dynamic", "static", "simple") for o in ("sgd", "adagrad")]
+                         + [("dynamic", "sgd_any")])
 def test_gpu_cached_table_equals_the_uncached_gpu_table_bit_for_bit(policy, opt):
     rng = np.random.default_rng(11)
     n, F_ = 20000, 64
@@ -423,28 +436,28 @@ def test_gpu_cached_table_equals_the_uncached_gpu_table_bit_for_bit(policy, opt)
 
 def train_and_compare(m, t, read, W0, rng, opt: str, hit_rate: float | None) -> None:
     """30 steps of lookups, next-batch prefetches and updates (``opt``) on the GPU cached table
-    ``t`` over ``W0``, each checked bit for bit against the uncached GPU path; then its contents
-    (``read(t)``), its base table after ``close`` and, when given, its least hit rate."""
+    ``t`` over ``W0``, each checked against the uncached GPU path (:func:`assert_gpu_same`); then
+    its contents (``read(t)``), its base table after ``close`` and, when given, its least hit rate."""
     import jax
     from embeddings.gpu.backend import cuda_backend
     n, F_ = W0.shape
     ref = Reference(W0, cuda_backend())
-    make = (lambda: E.SGD(0.1)) if opt == "sgd" else (lambda: E.RowwiseAdagrad(0.1))
+    make = OPTIMIZERS[opt]
     ours, theirs = make(), make()
     nxt = zipf_batch(rng, 512, 20, n)
     for step in range(30):
         idx, nxt = nxt, zipf_batch(rng, 512, 20, n)
         got = E.lookup(t, idx)
         assert isinstance(got, jax.Array) and got.devices().pop().platform == "gpu"
-        assert np.array_equal(np.asarray(got), ref.lookup(idx).get()), step
+        assert_gpu_same(np.asarray(got), ref.lookup(idx).get(), opt, step)
         prefetch(t, nxt.ravel())
         g = rng.standard_normal((512, F_)).astype(np.float32)
         E.pullback(t, g, idx, optimizer=ours)
         ref.pullback(g, idx, optimizer=theirs)
         t.check()
-    assert np.array_equal(read(t), ref.W.get())
+    assert_gpu_same(read(t), ref.W.get(), opt)
     t.close()
-    assert np.array_equal(base_rows(t), ref.W.get())
+    assert_gpu_same(base_rows(t), ref.W.get(), opt)
     if hit_rate is not None:
         assert t.telemetry()["hit_rate"] > hit_rate
     m.check()

@@ -24,8 +24,8 @@ from embeddings.gpu.cached import prefetch
 from embeddings.gpu import lru_group as LG, prefetcher
 from embeddings.gpu.lru import REPLACEMENTS, LRUCachedEmbeddings
 
-from test_gpu_cached import (MirroredCache, Reference, _as_np, base_rows as _base_rows, gpu_manager, host_manager,
-                             train_and_compare, zipf_batch)
+from test_gpu_cached import (OPTIMIZERS, MirroredCache, Reference, _as_np, assert_gpu_same, base_rows as _base_rows,
+                             gpu_manager, host_manager, train_and_compare, zipf_batch)
 
 N, F = 400, 8
 
@@ -72,7 +72,7 @@ def fresh(seed: int, **kw) -> tuple[np.ndarray, object, LRUCachedEmbeddings]:
                                                      (16, 64, 4096, "mapped"), (4, 400, 8, "mapped"),
                                                      (4, 400, 8, "staged"), (4, 40, 2, "split"),
                                                      (4, 400, 8, "split")])
-@pytest.mark.parametrize("opt", ["sgd", "adagrad"])
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
 @pytest.mark.parametrize("replacement", REPLACEMENTS)
 def test_lookups_and_updates_equal_the_uncached_table_bit_for_bit(ways, rows, staging, reads, opt, replacement):
     rng = np.random.default_rng(ways * 7 + rows)
@@ -80,7 +80,7 @@ def test_lookups_and_updates_equal_the_uncached_table_bit_for_bit(ways, rows, st
     m = host_manager()
     t = make(W0, m, cache_rows=rows, ways=ways, staging_rows=staging, reads=reads, replacement=replacement)
     ref = Reference(W0)
-    mk = (lambda: E.SGD(0.1)) if opt == "sgd" else (lambda: E.RowwiseAdagrad(0.1))
+    mk = OPTIMIZERS[opt]
     ours, theirs = mk(), mk()
     nxt = zipf_batch(rng, 16, 5)
     for step in range(15):
@@ -818,7 +818,8 @@ TestLRUMachine.settings = settings(max_examples=40, stateful_step_count=25, dead
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
 @pytest.mark.parametrize("opt,reads", [("sgd", "mapped"), ("adagrad", "mapped"), ("sgd", "staged"),
-                                       ("adagrad", "staged"), ("sgd", "split"), ("adagrad", "split")])
+                                       ("adagrad", "staged"), ("sgd", "split"), ("adagrad", "split"),
+                                       ("sgd_any", "staged")])
 def test_gpu_lru_table_equals_the_uncached_gpu_table_bit_for_bit(opt, reads):
     rng = np.random.default_rng(12)
     W0 = rng.standard_normal((20000, 64)).astype(np.float32)
@@ -1799,14 +1800,15 @@ def test_update_graph_entries_are_kept_per_ensemble_and_arguments_and_only_plain
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
-@pytest.mark.parametrize("opt", ["sgd", "adagrad"])
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
 def test_an_ensembles_update_replayed_as_a_cuda_graph_equals_the_uncached_tables_bit_for_bit(monkeypatch, opt):
     """An ensemble of lru tables in the DLRM step's order (lookup, the next batch's prefetch on its
     thread, update, join): with the update captured once and replayed every later step, and
-    with it run kernel by kernel, every table equals the uncached GPU table bit for bit."""
+    with it run kernel by kernel, every table equals the uncached GPU table
+    (:func:`assert_gpu_same`)."""
     from embeddings.gpu import update_graph as UG
     from embeddings.gpu.backend import cuda_backend
-    make = (lambda: E.SGD(0.1)) if opt == "sgd" else (lambda: E.RowwiseAdagrad(0.1))
+    make = OPTIMIZERS[opt]
     for graphs in (True, False):
         monkeypatch.setattr(UG, "GRAPHS", graphs)
         monkeypatch.setattr(UG, "COUNTS", type(UG.COUNTS)())
@@ -1820,7 +1822,7 @@ def test_an_ensembles_update_replayed_as_a_cuda_graph_equals_the_uncached_tables
             for step in range(8):
                 got = _host(ens.lookup(batches[step]))
                 for n, r in enumerate(refs):
-                    assert np.array_equal(got[:, n], r.lookup(batches[step][n]).get()), (graphs, step)
+                    assert_gpu_same(got[:, n], r.lookup(batches[step][n]).get(), opt, (graphs, step))
                 pending = prefetcher.start(ts, [b.ravel() for b in batches[step + 1]], None)
                 g = rng.standard_normal(got.shape).astype(np.float32)
                 ens.pullback(g, batches[step], optimizer=ours)
@@ -1829,7 +1831,7 @@ def test_an_ensembles_update_replayed_as_a_cuda_graph_equals_the_uncached_tables
                     r.pullback(g[:, n], batches[step][n], optimizer=theirs)
             for t, r in zip(ts, refs):
                 t.check()
-                assert np.array_equal(contents(t), r.W.get()), graphs
+                assert_gpu_same(contents(t), r.W.get(), opt, graphs)
                 t.close()
         if graphs:
             assert UG.COUNTS["captured"] == 1 and UG.COUNTS["replayed"] >= 5, dict(UG.COUNTS)

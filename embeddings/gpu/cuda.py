@@ -15,6 +15,9 @@ entries summed in parallel, then one group adds the chunk sums in chunk order an
 step: deterministic, and exactly the order :func:`.reference.update` uses. Every add and multiply
 of an update is explicitly rounded (``__fadd_rn``/``__fmul_rn``: no fma contraction), so the numpy
 reference reproduces it bit for bit, row-wise Adagrad's warp-shuffle sum of squares included.
+SGD with ``deterministic=False`` skips the plan: each block sorts a tile of the batch's entries in
+shared memory and subtracts each row's sum over the tile from the row by atomic adds, in whatever
+order they land (:func:`.reference.sgd_any` applies the entries one by one in batch order).
 """
 
 from __future__ import annotations
@@ -319,6 +322,73 @@ UPDATE(v4_i32, float4, int)
 UPDATE(v4_i64, float4, i64)
 UPDATE(v1_i32, float, int)
 UPDATE(v1_i64, float, i64)
+
+/* SGD in any order (SGD(deterministic=False)): atomic subtraction from a table row (vector adds on sm_90). */
+__device__ __forceinline__ void red_sub(float4* p, float4 s) {
+#if __CUDA_ARCH__ >= 900
+    atomicAdd(p, f4(-s.x, -s.y, -s.z, -s.w));
+#else
+    float* q = (float*)p;
+    atomicAdd(q, -s.x); atomicAdd(q + 1, -s.y); atomicAdd(q + 2, -s.z); atomicAdd(q + 3, -s.w);
+#endif
+}
+__device__ __forceinline__ void red_sub(float* p, float s) { atomicAdd(p, -s); }
+__device__ __forceinline__ float4 vmul(float s, float4 a) {
+    return f4(__fmul_rn(s, a.x), __fmul_rn(s, a.y), __fmul_rn(s, a.z), __fmul_rn(s, a.w));
+}
+__device__ __forceinline__ float vmul(float s, float a) { return __fmul_rn(s, a); }
+
+/* SGD in any order, by tiles: a block takes TILE = 2^BITS consecutive entries of the batch and sorts them by (row,
+   position) in shared memory (bitonic); a thread group per run of one row sums the run's gradient contributions in
+   batch order (Entries, as update_short) and subtracts lr * sum from the row by atomic adds, in the order they land.
+   A hot row costs one atomic add per tile instead of one per entry (an entry's own atomics made Zipf batches 2-3x
+   slower); a row with one entry rounds as update_short rounds it. No plan: the batch was confirmed valid before. */
+template <typename T, typename I, int BITS>
+__device__ void sgd_any_body(T* W, int FT, const T* __restrict__ grad, i64 gstride, const I* __restrict__ idx, i64 L,
+                             const i64* __restrict__ off, i64 B, i64 k, const float* __restrict__ w, int mean,
+                             float lr) {
+    const int TILE = 1 << BITS;
+    __shared__ u64 key[TILE];
+    __shared__ i64 pos[TILE];
+    const i64 t0 = (i64)blockIdx.x * TILE;
+    const int tid = threadIdx.y * blockDim.x + threadIdx.x, nt = blockDim.x * blockDim.y;
+    for (int p = tid; p < TILE; p += nt)
+        key[p] = t0 + p < L ? ((u64)(i64)idx[t0 + p] << BITS) | (u64)p : ~(u64)0;
+    __syncthreads();
+    for (int size = 2; size <= TILE; size <<= 1)
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int i = tid; i < TILE / 2; i += nt) {
+                int lo = 2 * i - (i & (stride - 1)), hi = lo + stride;
+                u64 a = key[lo], b = key[hi];
+                if ((a > b) == ((lo & size) == 0)) { key[lo] = b; key[hi] = a; }
+            }
+            __syncthreads();
+        }
+    for (int p = tid; p < TILE; p += nt) pos[p] = t0 + (i64)(key[p] & (u64)(TILE - 1));
+    __syncthreads();
+    const int n = (int)min((i64)TILE, L - t0);
+    for (int p = threadIdx.y; p < n; p += blockDim.y) {
+        u64 r = key[p] >> BITS;
+        if (p > 0 && (key[p - 1] >> BITS) == r) continue;
+        int e = p + 1;
+        while (e < n && (key[e] >> BITS) == r) ++e;
+        Entries<T, 4> src{grad, gstride, pos, p, e, off, B, k, w, mean};
+        for (int c = threadIdx.x; c < FT; c += blockDim.x) red_sub(W + (i64)r * FT + c, vmul(lr, src(c)));
+    }
+}
+
+#define SGD_ANY(SUFFIX, T, I, BITS) \
+extern "C" __global__ void sgd_any##BITS##_##SUFFIX(T* W, int FT, const T* grad, i64 gstride, const I* idx, i64 L, \
+        const i64* off, i64 B, i64 k, const float* w, int mean, float lr) { \
+    sgd_any_body<T, I, BITS>(W, FT, grad, gstride, idx, L, off, B, k, w, mean, lr); }
+SGD_ANY(v4_i32, float4, int, 7)
+SGD_ANY(v4_i64, float4, i64, 7)
+SGD_ANY(v1_i32, float, int, 7)
+SGD_ANY(v1_i64, float, i64, 7)
+SGD_ANY(v4_i32, float4, int, 9)
+SGD_ANY(v4_i64, float4, i64, 9)
+SGD_ANY(v1_i32, float, int, 9)
+SGD_ANY(v1_i64, float, i64, 9)
 
 #define CHUNKS(NAME, T) \
 extern "C" __global__ void NAME(T* P, int FT, const T* grad, i64 gstride, const i64* perm, const i64* lstart, \

@@ -12,7 +12,8 @@ and message (table, position, value). A lookup of a host batch does not synchron
 An update sorts the batch positions by row (stable, so a row's entries stay in batch order),
 finds the long rows (their count stays on the device, read there by the kernels), and runs fused
 accumulate-and-apply kernels: no table gradient is materialised, duplicates accumulate in a fixed
-order (long rows in chunks, :mod:`.cuda`), deterministically.
+order (long rows in chunks, :mod:`.cuda`), deterministically. ``SGD(deterministic=False)`` has
+no plan: after the checks, one kernel adds each row's sums over tiles of the batch atomically.
 """
 
 from __future__ import annotations
@@ -304,17 +305,32 @@ def plan(be, idx: Any, F: int | None = None) -> Plan:
     return plans(be, [idx], F)[0]
 
 
-def needs_plan(prep: PreparedUpdate, F: int) -> bool:
-    """Whether a prepared update writes anything (an empty batch or table has no plan)."""
+def writes(prep: PreparedUpdate, F: int) -> bool:
+    """Whether a prepared update writes anything (an empty batch or table does not)."""
     return bool(prep.bags.idx.size) and F > 0
 
 
+def planned(optimizer: Any) -> bool:
+    """Whether the optimizer's update runs by a plan (all but ``SGD(deterministic=False)``)."""
+    return not (isinstance(optimizer, SGD) and not optimizer.deterministic)
+
+
+def needs_plan(prep: PreparedUpdate, F: int, optimizer: Any) -> bool:
+    """Whether a prepared update has a plan to make: it writes, and by a plan."""
+    return writes(prep, F) and planned(optimizer)
+
+
 def apply_pullback(be, W: Any, state: Any, prep: PreparedUpdate, optimizer: Any, p: Plan | None = None) -> None:
-    """Plan (unless the plan ``p`` is given), confirm the checks, and run the fused update of a
-    prepared batch on table ``W`` (row-wise Adagrad: ``state``)."""
+    """Plan (unless the plan ``p`` is given, or the optimizer needs none), confirm the checks, and
+    run the fused update of a prepared batch on table ``W`` (row-wise Adagrad: ``state``)."""
     bags = prep.bags
-    if not needs_plan(prep, W.shape[1]):
+    if not writes(prep, W.shape[1]):
         confirm(be, [prep.pending])
+        return
+    if not planned(optimizer):
+        confirm(be, [prep.pending])
+        be.sgd_any(W, prep.grad, bags.idx, bags.off, bags.nout, max(bags.k, 1), bags.w, bags.mean,
+                   float(optimizer.lr))
         return
     p = plan(be, bags.idx, W.shape[1]) if p is None else p
     confirm(be, [prep.pending])

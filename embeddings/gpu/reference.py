@@ -7,7 +7,8 @@
   bit (unweighted) and that the CUDA kernel transcribes.
 * :func:`update`: a numpy transcription of the CUDA update kernels, rounding for rounding (per
   unique row: its entries in batch order, long rows in chunks of :func:`chunk_len` whose sums
-  are added in chunk order; then SGD or row-wise Adagrad).
+  are added in chunk order; then SGD or row-wise Adagrad); :func:`sgd_any`, the any-order SGD
+  update with its entries applied one by one in batch order.
 """
 
 from __future__ import annotations
@@ -124,6 +125,25 @@ def update(W, state, grad, perm, srow, off, B, k, w, mean, opt, lr, eps, vec: in
             state[r] = st
             mult = lr32 / (np.sqrt(st) + eps32)
         W[r] = W[r] - np.float32(mult) * acc
+
+
+def sgd_any(W, grad, idx, off, B, k, w, mean, lr) -> None:
+    """The any-order SGD update in one of its orders: entry ``q`` of bag ``b`` subtracts
+    ``lr * (coef_q * grad[b])`` (``coef``: the weight, times ``1 / n`` for mean; two roundings)
+    from its row, one entry after another in batch order. The kernel first sums a row's entries
+    within a tile of the batch; a row with one entry rounds the same either way."""
+    offsets = off if off is not None else np.arange(B + 1, dtype=np.int64) * k
+    idx = np.asarray(idx).reshape(-1)
+    bag = np.repeat(np.arange(B), np.diff(np.asarray(offsets, np.int64)))
+    g = np.asarray(grad, np.float32)[bag]
+    if w is not None or mean:
+        coef = np.ones(idx.size, np.float32)
+        if mean:
+            coef = np.float32(1.0) / (offsets[bag + 1] - offsets[bag]).astype(np.float32)
+        if w is not None:
+            coef = np.asarray(w, np.float32) * coef if mean else np.asarray(w, np.float32)
+        g = coef[:, None] * g
+    np.subtract.at(W, idx, np.float32(lr) * g)
 
 
 def lanes(F: int, vec: int) -> int:

@@ -197,7 +197,7 @@ def ensemble_pullback(tables: list, grad: Any, indices, offsets, mode, weights, 
     if update_graph.eligible(tables, g3, preps, F):  # lru tables: the rest as one CUDA graph
         update_graph.run(be, tables, g3, preps, optimizer, F)
         return
-    ready = [n for n, (p, o) in enumerate(zip(preps, once)) if o and ops.needs_plan(p, F)]
+    ready = [n for n, (p, o) in enumerate(zip(preps, once)) if o and ops.needs_plan(p, F, optimizer)]
     plans = dict(zip(ready, ops.plans(be, [preps[n].bags.idx for n in ready], F)))
     for n, (t, p, o) in enumerate(zip(tables, preps, once)):
         if _cached(t):
