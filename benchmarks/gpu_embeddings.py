@@ -313,7 +313,7 @@ def main(argv=None) -> int:
                  "any/RMW", "max |any - SGD|"],
                 [[r["case"], r["sgd_ms"], r["sgd_any_ms"], r["torch_bwd_step_ms"], r["update_floor_ms"],
                   r["torch_bwd_step_over_ours_sgd_any"], r["sgd_any_over_floor"], r["sgd_any_ms"] / r["rmw_ms"],
-                  r["sgd_any_max_abs_diff"]] for r in results])
+                  f"{r['sgd_any_max_abs_diff']:.1e}"] for r in results])
     print_targets(targets)
     write_json(args.out, {"environment": environment(), "quick": args.quick, "copy_GBps": bw, "results": results,
                           "host_split_us": splits,

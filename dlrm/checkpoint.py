@@ -50,8 +50,13 @@ def check_compatible(meta: dict, model: DLRM, source: str) -> None:
         raise CheckpointError(f"{source} is for a different architecture: tables {meta['table_sizes']} x "
                               f"{meta['featuresize']}, bottom {meta['bottom']}, top {meta['top']}, "
                               f"{meta['interaction']} interaction")
-    if optimizer != model.optimizer:
+    if _state(optimizer) != _state(model.optimizer):
         raise CheckpointError(f"{source} used optimizer {optimizer}, this run {model.optimizer}")
+
+
+def _state(optimizer: str) -> str:
+    """What an optimizer keeps between steps: both SGDs the same (nothing)."""
+    return "sgd" if optimizer == "sgd-any" else optimizer
 
 
 def _dense_arrays(model: DLRM) -> dict[str, np.ndarray]:

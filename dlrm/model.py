@@ -39,6 +39,9 @@ from .metrics import PhaseTimer, accuracy, bce, roc_auc
 from .placement import is_cached, make_room
 
 DEVICES = ("cpu", "gpu")
+# the tables' optimizers: "sgd-any" is SGD whose GPU updates sum a row's entries in any order
+# (embeddings.SGD(deterministic=False): faster, not reproducible bit for bit; CPU tables as "sgd")
+OPTIMIZERS = ("sgd", "sgd-any", "adagrad")
 
 
 GROUP_SIZE = 8
@@ -78,7 +81,7 @@ class StepResult:
 
 
 class DLRM:
-    """``DLRM(config, tables, optimizer="sgd"|"adagrad", lr=0.01, seed=0)``.
+    """``DLRM(config, tables, optimizer="sgd"|"sgd-any"|"adagrad", lr=0.01, seed=0)``.
 
     ``tables`` are embedding tables (``SimpleEmbedding``, ``CachedEmbeddings``, ...) with
     ``config.table_sizes`` rows and ``config.featuresize`` columns. ``precision`` is the dense
@@ -92,14 +95,14 @@ class DLRM:
                  group_size: int = GROUP_SIZE, precision: str = "f32", device: str = "cpu"):
         if device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(map(repr, OPTIMIZERS))}, got {optimizer!r}")
         if len(tables) != config.ntables:
             raise ValueError(f"config has {config.ntables} tables, got {len(tables)}")
         for t, n in zip(tables, config.table_sizes):
             if t.nvectors() != n or t.featuresize() != config.featuresize:
                 raise ValueError(f"table {t.name}: {t.nvectors()} x {t.featuresize()}, "
                                  f"expected {n} x {config.featuresize}")
-        if optimizer not in ("sgd", "adagrad"):
-            raise ValueError(f"optimizer must be 'sgd' or 'adagrad', got {optimizer!r}")
         self.config = config
         self.tables = list(tables)
         # numba compiles the ensemble kernels once per number of tables (tuples are unrolled), and
@@ -124,7 +127,8 @@ class DLRM:
         self.ensembles = [] if self._per_table else [Ensemble(self.tables[a:b]) for a, b in self.groups]
         self.lr = float(lr)
         self.optimizer = optimizer
-        self.table_opt = SGD(self.lr) if optimizer == "sgd" else RowwiseAdagrad(self.lr)
+        self.table_opt = (RowwiseAdagrad(self.lr) if optimizer == "adagrad"
+                          else SGD(self.lr, deterministic=optimizer == "sgd"))
         self.params = to_device(init_dense(config, seed) if params is None else params)
         self.precision = precision
         self._grad = make_grad_step(config.interaction, precision)

@@ -33,7 +33,7 @@ from . import checkpoint
 from . import gpu
 from .dense import PRECISIONS, DLRMConfig
 from .metrics import accuracy
-from .model import DEVICES
+from .model import DEVICES, OPTIMIZERS
 from .placement import GPU_POLICIES, POLICIES, cache_rows, flush, hitrate, hot_rows, make_tables, table_devices
 
 DEFAULTS = dict(sizes="100000-50000-20000-10000-5000-2000-1000-500", bot="13-512-256-64-16", top="512-256-1")
@@ -73,8 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--num-batches", type=int, default=600, help="batches per epoch (0: the whole data set)")
     t.add_argument("--nepochs", type=int, default=1)
     t.add_argument("--learning-rate", type=float, default=0.1)
-    t.add_argument("--optimizer", choices=("sgd", "adagrad"), default="sgd",
-                   help="embedding tables: fused SGD or row-wise Adagrad; dense weights always use SGD")
+    t.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                   help="embedding tables: fused SGD, SGD whose GPU updates add a row's entries in any order "
+                        "(sgd-any: faster, not reproducible bit for bit; on CPU tables the same as sgd) or "
+                        "row-wise Adagrad; dense weights always use SGD")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--dense-precision", choices=PRECISIONS, default="f32",
                    help="matmul precision of the MLPs: bf16 = bfloat16 operands, float32 accumulation and weights")

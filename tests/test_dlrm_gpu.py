@@ -85,7 +85,7 @@ CACHED = ("static", "dynamic", "simple", "lru", "lfu")
 
 
 def _policies():
-    return [("dram", "sgd"), ("dram", "adagrad"), ("lru", "adagrad")] + [(p, "sgd") for p in CACHED]
+    return [("dram", "sgd"), ("dram", "adagrad"), ("lru", "adagrad"), ("lru", "sgd-any")] + [(p, "sgd") for p in CACHED]
 
 
 @pytest.mark.gpu
@@ -95,7 +95,7 @@ def _policies():
 def test_gpu_training_follows_the_cpu_loss_curve_for_200_steps(tmp_path, policy, optimizer):
     # Row-wise Adagrad at 0.05: its first step on a row is lr * g / |g| whatever |g|, so rounding
     # differences in small gradients turn into lr-sized steps; at 0.2 the curves part ten times faster.
-    lr = "0.2" if optimizer == "sgd" else "0.05"
+    lr = "0.05" if optimizer == "adagrad" else "0.2"
     common = TINY + ["--num-batches", "200", "--optimizer", optimizer, "--learning-rate", lr]
     cpu = train.main(common + ["--pm-path", str(tmp_path), "--fast-capacity", "8MiB", "--slow-capacity", "8MiB"])
     on_gpu = train.main(common + ["--device", "gpu", "--policy", policy, "--cache-fraction", "0.2"])
@@ -107,8 +107,9 @@ def test_gpu_training_follows_the_cpu_loss_curve_for_200_steps(tmp_path, policy,
     # part geometrically from the first differing step: measured on the H100, the largest relative
     # difference over 200 steps was 6.9e-4 (SGD) and 2.0e-3 (Adagrad), the first above 1e-6 at steps
     # 108 and 34. The update kernels themselves are checked bit for bit in test_embeddings_gpu.py.
+    # sgd-any (the CPU run is plain SGD) adds a row's entries in any order from the first step.
     assert rel[:10].max() <= 2e-6, f"the curves differ early: {rel[:10]}"
-    rtol = 5e-3 if optimizer == "sgd" else 1e-2
+    rtol = 1e-2 if optimizer == "adagrad" else 5e-3
     assert rel.max() <= rtol, f"largest relative loss difference {rel.max():.2e} at step {int(rel.argmax()) + 1}"
     assert a[-50:].mean() < a[:50].mean()  # it learned: equal curves that go nowhere would prove little
     assert abs(on_gpu["evals"][-1]["auc"] - cpu["evals"][-1]["auc"]) < 1e-3

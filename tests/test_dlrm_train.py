@@ -71,6 +71,21 @@ def test_resume_from_checkpoint_or_pool_continues_with_identical_losses(tmp_path
     assert resumed["evals"][-1]["loss"] == straight["evals"][-1]["loss"]
 
 
+def test_sgd_any_trains_cpu_tables_as_sgd_and_shares_sgds_checkpoints(tmp_path):
+    common = ["--num-indices-per-lookup", "4", "--test-freq", "0"]
+    sgd = run(tmp_path / "a", *common, "--num-batches", "8")
+    ck = str(tmp_path / "ck.npz")
+    first = run(tmp_path / "b", *common, "--optimizer", "sgd-any", "--num-batches", "4", "--save", ck)
+    assert first["losses"] == sgd["losses"][:4]  # CPU tables are deterministic whatever the order allowed
+    resumed = run(tmp_path / "c", *common, "--num-batches", "8", "--load", ck)
+    assert resumed["start_step"] == 4 and resumed["losses"] == sgd["losses"][4:]
+    with pytest.raises(CheckpointError, match="used optimizer sgd-any, this run adagrad"):
+        run(tmp_path / "d", *common, "--optimizer", "adagrad", "--num-batches", "8", "--load", ck)
+    with pytest.raises(ValueError, match="optimizer must be one of 'sgd', 'sgd-any', 'adagrad', got 'adam'"):
+        from dlrm.model import DLRM
+        DLRM(None, [], optimizer="adam")
+
+
 def test_kill_9_mid_training_resumes_from_the_last_durable_point(tmp_path, capsys):
     pool = str(tmp_path / "run.pool")
     args = TINY + ["--pm-path", pool, "--resume-from-pool", "--num-batches", "300", "--checkpoint-every", "3",
