@@ -272,8 +272,9 @@ def main(argv=None) -> int:
                     results.append(r)
                     print(f"  {case}: lookup {r['lookup_ms']:.3f} ms (kernel {r['lookup_kernel_ms']:.3f}) torch "
                           f"{r['torch_lookup_ms']:.3f} jax {r['jax_take_sum_ms']:.3f}; sgd {r['sgd_ms']:.3f} (sort "
-                          f"{r['sort_ms']:.3f} plan {r['plan_ms']:.3f}) any order {r['sgd_any_ms']:.3f} adagrad {r['adagrad_ms']:.3f} torch step "
-                          f"{r['torch_step_ms']:.3f}; max |ours - torch| {err:.2e}", flush=True)
+                          f"{r['sort_ms']:.3f} plan {r['plan_ms']:.3f}) any order {r['sgd_any_ms']:.3f} adagrad "
+                          f"{r['adagrad_ms']:.3f} torch step {r['torch_step_ms']:.3f}; max |ours - torch| {err:.2e}",
+                          flush=True)
                     targets[f"{case}: lookup <= torch ({r['lookup_ms']:.3f} vs {r['torch_lookup_ms']:.3f} ms)"] = \
                         t_api <= t_torch
                     if k > 1:
