@@ -57,6 +57,9 @@ uniform lookups per bag, batch 2048, same MLPs: ours (tables in HBM) against tor
 (``nn.EmbeddingBag(sparse=True)`` + torch MLPs + ``optim.SGD`` on CUDA, batches uploaded in the
 step as ours are). The ratio is reported (information, no target).
 
+``--optimizer sgd-any`` gives our tables (both parts, in HBM and cached) SGD that adds a row's
+entries in any order (:class:`embeddings.SGD` ``deterministic=False``); torch keeps its SGD.
+
 Zipf(1) indices come from the inverse of its continuous CDF (rank = floor((n+1)^u) - 1, u
 uniform), scattered over the rows by an affine bijection per table: vectorised, so 45M-row
 streams cost no 360 MB CDF or permutation per table. Tables are filled with a tiled random
@@ -605,7 +608,7 @@ class TorchInHBM:
 
 
 # ------------------------------------------------------------------ part 1
-def in_hbm_model(cp, T: int, rows: int, F: int, lr: float, first) -> Any:
+def in_hbm_model(cp, T: int, rows: int, F: int, lr: float, first, optimizer: str = "sgd") -> Any:
     """The part-1 model with ``T`` tables of ``rows`` rows as CuPy arrays in HBM, warmed up on batch ``first``."""
     from dlrm import DLRM, DLRMConfig
     from embeddings import SimpleEmbedding
@@ -613,13 +616,13 @@ def in_hbm_model(cp, T: int, rows: int, F: int, lr: float, first) -> Any:
     w = [cp.empty((rows, F), cp.float32) for _ in range(T)]
     fill(w, seed=2)
     model = DLRM(DLRMConfig([rows] * T, F, BOTTOM, TOP), [SimpleEmbedding(x, name=f"hbm{t}") for t, x in enumerate(w)],
-                 lr=lr, device="gpu")
+                 lr=lr, device="gpu", optimizer=optimizer)
     model.warmup(first)
     return model
 
 
 def host_model(T: int, rows: int, F: int, budget: int, policy: str, cf: float, lr: float, first,
-               hot=None) -> tuple[Any, Any, list, dict]:
+               hot=None, optimizer: str = "sgd") -> tuple[Any, Any, list, dict]:
     """The part-1 model over ``T`` tables of ``rows`` rows in page-locked host DRAM under a GPU
     manager whose HBM level holds ``budget`` bytes, cached by ``policy`` (cache fraction ``cf``),
     warmed up on batch ``first``: (model, manager, the tables' host views, which stay pinned for
@@ -637,7 +640,7 @@ def host_model(T: int, rows: int, F: int, budget: int, policy: str, cf: float, l
     fill([v.array for v in views], seed=3)
     setup["setup_fill_s"] = time.perf_counter() - t1
     tables = make_tables([rows] * T, F, policy, m, cache_fraction=cf, arrays=arrays, init=False, hot=hot)
-    model = DLRM(DLRMConfig([rows] * T, F, BOTTOM, TOP), tables, lr=lr, device="gpu")
+    model = DLRM(DLRMConfig([rows] * T, F, BOTTOM, TOP), tables, lr=lr, device="gpu", optimizer=optimizer)
     model.warmup(first)
     return model, m, views, setup
 
@@ -679,14 +682,15 @@ def part1(args, cp, bw_h2d: float) -> tuple[dict, dict]:
 
     # in HBM: small tables as CuPy arrays
     t0 = time.perf_counter()
-    hbm = in_hbm_model(cp, T, small, F, args.lr, small_b[0])
+    hbm = in_hbm_model(cp, T, small, F, args.lr, small_b[0], args.optimizer)
     contenders["in HBM"] = (ours_trainer(hbm, small_b), args.per_round, B)
     print(f"  in-HBM model ready in {time.perf_counter() - t0:.1f} s", flush=True)
 
     # ours: host tables with an HBM cache
     crow = cache_rows(n, cf)
     hot = [scatter(np.arange(crow), n, t) for t in range(T)] if args.policy == "static" else None
-    ours, m, views, setup = host_model(T, n, F, budget, args.policy, cf, args.lr, big_b[0], hot=hot)
+    ours, m, views, setup = host_model(T, n, F, budget, args.policy, cf, args.lr, big_b[0], hot=hot,
+                                       optimizer=args.optimizer)
     res.update(setup)
     print(f"  host tables: page-locked in {res['setup_pagelock_s']:.1f} s, filled in {res['setup_fill_s']:.1f} s "
           f"({table_bytes / 1e9 / max(res['setup_fill_s'], 1e-9):.1f} GB/s)", flush=True)
@@ -903,7 +907,8 @@ def part2(args, cp, bw_d2d: float) -> tuple[dict, dict]:
     host = [np.empty((n, F), np.float32) for _ in range(T)]
     fill(host, seed=6)
     W = [cp.asarray(h) for h in host]
-    ours = DLRM(cfg, [SimpleEmbedding(w, name=f"b{t}") for t, w in enumerate(W)], lr=args.lr, device="gpu")
+    ours = DLRM(cfg, [SimpleEmbedding(w, name=f"b{t}") for t, w in enumerate(W)], lr=args.lr, device="gpu",
+                optimizer=args.optimizer)
     ours.warmup(batches[0])
     theirs = TorchInHBM(host, init_dense(cfg, 0), args.lr)
     theirs.step(batches[0])
@@ -951,6 +956,8 @@ def main(argv=None) -> int:
     p.add_argument("--b-rows", type=int, default=1_000_000, help="part 2: rows per table")
     p.add_argument("--b-batch", type=int, default=2048, help="part 2: batch size")
     p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--optimizer", choices=("sgd", "sgd-any"), default="sgd",
+                   help="our tables' SGD: deterministic, or adding a row's entries in any order (torch: its SGD)")
     p.add_argument("--skip", choices=("1", "2"), action="append", default=[], help="skip part 1 or 2")
     args = p.parse_args(argv)
     if args.quick:
@@ -970,8 +977,9 @@ def main(argv=None) -> int:
     bw_h2d = h2d_bandwidth(cp, 1 << 30)
     bw_d2d = copy_bandwidth(cp, 1 << 30, 5)
     print(f"GPU DLRM benchmark ({'quick' if args.quick else 'full'}): host->GPU {bw_h2d:.1f} GB/s (pinned), "
-          f"device copy {bw_d2d:.0f} GB/s (read + write)", flush=True)
-    out = {"environment": environment(), "quick": args.quick, "h2d_GBps": bw_h2d, "d2d_GBps": bw_d2d}
+          f"device copy {bw_d2d:.0f} GB/s (read + write); our tables' optimizer: {args.optimizer}", flush=True)
+    out = {"environment": environment(), "quick": args.quick, "h2d_GBps": bw_h2d, "d2d_GBps": bw_d2d,
+           "optimizer": args.optimizer}
     targets: dict = {}
     if "1" not in args.skip:
         out["part1"], t = part1(args, cp, bw_h2d)
