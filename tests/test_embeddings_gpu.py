@@ -209,6 +209,9 @@ def test_bad_input_raises_the_cpu_error_before_anything_is_written(device_indice
         with pytest.raises(FloatingPointError, match="emb: non-finite gradient in output row 2"):
             ops.pullback(be, "emb", W, None, bad, np.array([[1, 2], [3, 4], [5, 6]]), optimizer=opt)
         assert np.array_equal(W, before)
+    with pytest.raises(TypeError, match="SGD's deterministic must be True or False, got 'no'"):
+        ops.pullback(be, "emb", W, None, g, np.array([[1, 2], [3, 4], [5, 6]]), optimizer=E.SGD(0.1, "no"))
+    assert np.array_equal(W, before)
     with pytest.raises(ValueError, match=r"gradient shape \(2, 8\)"):
         ops.pullback(be, "emb", W, None, g[:2], np.array([[1, 2], [3, 4], [5, 6]]), optimizer=E.SGD(0.1))
     with pytest.raises(TypeError, match="float32"):

@@ -618,7 +618,6 @@ class CudaBackend:
             (W, np.int32(FT), np.int32(F), cuda.ptr(state), grad, gstride, plan.srow, plan.perm, np.int64(L), C)
             + common + step)
 
-
     def sgd_any(self, W, grad, idx, off, B, k, w, mean, lr) -> None:
         """SGD by atomic adds of each row's sum over a tile of sorted entries (``SGD(deterministic=
         False)``; no plan), a thread per entry of a tile. Tiles of 128 entries, 512 for rows over

@@ -260,6 +260,8 @@ def check_optimizer(optimizer: Any) -> None:
         raise TypeError(f"unsupported optimizer {optimizer!r}")
     if not np.isfinite(optimizer.lr):
         raise ValueError(f"learning rate must be finite, got {optimizer.lr}")
+    if isinstance(optimizer, SGD) and not isinstance(optimizer.deterministic, bool):
+        raise TypeError(f"SGD's deterministic must be True or False, got {optimizer.deterministic!r}")
 
 
 def nonfinite_error(name: str, row: int) -> FloatingPointError:

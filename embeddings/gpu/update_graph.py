@@ -105,8 +105,8 @@ def run(be: Any, tables: list, grad: Any, preps: list, optimizer: Any, F: int) -
 
 
 def _body(be: Any, entry: UpdateGraph, tables: list, states: list, preps: list, optimizer: Any, F: int) -> None:
-    """The launches a graph replays: the plans of the slots in ``entry.idx``, the update of each
-    table from ``entry.grad``, the slots' dirty marks."""
+    """The launches a graph replays: the plans of the slots in ``entry.idx`` (none for SGD in any
+    order), the update of each table from ``entry.grad``, the slots' dirty marks."""
     plans = ops.plans(be, entry.idx, F) if ops.planned(optimizer) else [None] * len(tables)
     for n, (t, state, p, plan) in enumerate(zip(tables, states, preps, plans)):
         mine = ops.PreparedUpdate(replace(p.bags, idx=entry.idx[n]), entry.grad[:, n, :], None)
