@@ -37,6 +37,14 @@ def table(rng, nvec: int, F: int) -> np.ndarray:
     return rng.standard_normal((nvec, F)).astype(np.float32)
 
 
+def update_case(rng, nvec: int, nbags: int, most: int, F: int, dup: bool, weighted: bool):
+    """A table of ``nvec`` rows of ``F``, CSR bags (:func:`batch`), weights (or None) and a gradient."""
+    W = table(rng, nvec, F)
+    idx, off = batch(rng, nvec, nbags, most, dup)
+    w = rng.random(idx.size).astype(np.float32) if weighted else None
+    return W, idx, off, w, rng.standard_normal((nbags, F)).astype(np.float32)
+
+
 @pytest.mark.parametrize("F", F_SIZES)
 @pytest.mark.parametrize("mode", ["sum", "mean"])
 def test_pallas_lookup_equals_the_numba_kernels_bit_for_bit(F, mode):
@@ -81,10 +89,7 @@ def test_reference_update_matches_the_cpu_pullback(opt, device_indices):
     rng = np.random.default_rng(2)
     be = ReferenceBackend(device_indices)
     for F, dup, mode, weighted in ((64, False, "sum", False), (12, True, "mean", False), (8, True, "sum", True)):
-        W = table(rng, 40, F)
-        idx, off = batch(rng, 40, 11, 9, dup)
-        w = rng.random(idx.size).astype(np.float32) if weighted else None
-        g = rng.standard_normal((11, F)).astype(np.float32)
+        W, idx, off, w, g = update_case(rng, 40, 11, 9, F, dup, weighted)
         cpu = W.copy()
         E.pullback(E.SimpleEmbedding(cpu, "t", align=False), g, idx, off, mode=mode, weights=w, optimizer=opt(0.1))
         dev, state = W.copy(), np.zeros(40, np.float32)
@@ -103,10 +108,7 @@ def test_any_order_sgd_makes_no_plan_matches_the_cpu_and_rounds_rows_of_one_entr
     monkeypatch.setattr(be, "argsorts", lambda idxs: pytest.fail("an any-order SGD update made a plan"))
     for F, dup, mode, weighted in ((64, False, "sum", False), (12, True, "mean", False), (8, True, "sum", True),
                                    (8, False, "mean", True)):
-        W = table(rng, 40, F)
-        idx, off = batch(rng, 40, 11, 9, dup)
-        w = rng.random(idx.size).astype(np.float32) if weighted else None
-        g = rng.standard_normal((11, F)).astype(np.float32)
+        W, idx, off, w, g = update_case(rng, 40, 11, 9, F, dup, weighted)
         cpu, exact, dev = W.copy(), W.copy(), W.copy()
         E.pullback(E.SimpleEmbedding(cpu, "t", align=False), g, idx, off, mode=mode, weights=w,
                    optimizer=E.SGD(0.1, deterministic=False))
@@ -435,10 +437,7 @@ def test_gpu_pullback_matches_the_cpu(opt):
     rng = np.random.default_rng(6)
     for F, dup, mode, weighted in ((64, False, "sum", False), (256, True, "mean", False), (12, True, "sum", True),
                                    (64, True, "sum", False)):
-        W = table(rng, 1000, F)
-        idx, off = batch(rng, 1000, 300, 40, dup)
-        w = rng.random(idx.size).astype(np.float32) if weighted else None
-        g = rng.standard_normal((300, F)).astype(np.float32)
+        W, idx, off, w, g = update_case(rng, 1000, 300, 40, F, dup, weighted)
         cpu = W.copy()
         E.pullback(E.SimpleEmbedding(cpu, "t", align=False), g, idx, off, mode=mode, weights=w, optimizer=opt(0.05))
         m, datas = _gpu_tables(W)
@@ -513,6 +512,29 @@ def _skewed_batch(rng, nvec: int, L: int):
     return idx
 
 
+def _skewed_updates(rng):
+    """Per case (float4 and float rows, int32/int64 indices, sum/mean/weighted): F, mode, weighted,
+    a table of 5000 rows, 512 skewed bags of 8 (:func:`_skewed_batch`), weights or None, a gradient."""
+    for F, mode, weighted, dtype in ((64, "sum", False, np.int32), (256, "mean", False, np.int64),
+                                     (10, "sum", True, np.int64), (12, "mean", True, np.int32)):
+        W = table(rng, 5000, F)
+        idx = _skewed_batch(rng, 5000, 512 * 8).astype(dtype).reshape(512, 8)
+        w = rng.random(idx.shape).astype(np.float32) if weighted else None
+        yield F, mode, weighted, W, idx, w, rng.standard_normal((512, F)).astype(np.float32)
+
+
+def _gpu_pullback(W, state, g, idx, mode, w, optimizer, device_idx: bool) -> np.ndarray:
+    """``ops.pullback`` on the CUDA backend into a device copy of ``W``, with the batch (indices,
+    weights) on the device or the host: the updated rows."""
+    import cupy as cp
+    from embeddings.gpu.backend import cuda_backend
+    dev = cp.asarray(W)
+    on = cp.asarray if device_idx else (lambda x: x)
+    ops.pullback(cuda_backend(), "t", dev, state, cp.asarray(g), on(idx), mode=mode,
+                 weights=None if w is None else on(w), optimizer=optimizer)
+    return dev.get()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu_device.available(), reason="needs a CUDA GPU and CuPy")
 @pytest.mark.parametrize("opt", [E.SGD, E.RowwiseAdagrad])
@@ -528,21 +550,12 @@ def test_gpu_update_equals_the_reference_bit_for_bit(opt, counted_on, monkeypatc
     if counted_on == "host":
         monkeypatch.setattr(B_, "SCRATCH", 0)
     rng = np.random.default_rng(12)
-    for F, mode, weighted, dtype in ((64, "sum", False, np.int32), (256, "mean", False, np.int64),
-                                     (10, "sum", True, np.int64), (12, "mean", True, np.int32)):
-        nvec, B, k = 5000, 512, 8
-        W = table(rng, nvec, F)
-        idx = _skewed_batch(rng, nvec, B * k).astype(dtype).reshape(B, k)
-        w = rng.random(idx.shape).astype(np.float32) if weighted else None
-        g = rng.standard_normal((B, F)).astype(np.float32)
-        ref, ref_state = W.copy(), np.full(nvec, 0.25, np.float32)
+    for F, mode, weighted, W, idx, w, g in _skewed_updates(rng):
+        ref, ref_state = W.copy(), np.full(W.shape[0], 0.25, np.float32)
         ops.pullback(ReferenceBackend(), "t", ref, ref_state, g, idx, mode=mode, weights=w, optimizer=opt(0.05))
         for device_idx in (False, True):
-            dev, state = cp.asarray(W), cp.full(nvec, 0.25, cp.float32)
-            ix = cp.asarray(idx) if device_idx else idx
-            ops.pullback(cuda_backend(), "t", dev, state, cp.asarray(g), ix, mode=mode,
-                         weights=None if w is None else (cp.asarray(w) if device_idx else w), optimizer=opt(0.05))
-            got = dev.get()
+            state = cp.full(W.shape[0], 0.25, cp.float32)
+            got = _gpu_pullback(W, state, g, idx, mode, w, opt(0.05), device_idx)
             assert np.array_equal(got, ref), (F, mode, weighted, device_idx, np.abs(got - ref).max())
             if opt is E.RowwiseAdagrad:
                 assert np.array_equal(state.get(), ref_state)
@@ -564,23 +577,13 @@ def test_gpu_any_order_sgd_equals_its_reference_on_rows_of_one_entry_and_within_
     from embeddings.gpu.backend import cuda_backend
     rng = np.random.default_rng(22)
     opt = E.SGD(0.05, deterministic=False)
-    for F, mode, weighted, dtype in ((64, "sum", False, np.int32), (256, "mean", False, np.int64),
-                                     (10, "sum", True, np.int64), (12, "mean", True, np.int32)):
-        nvec, B, k = 5000, 512, 8
-        W = table(rng, nvec, F)
-        idx = _skewed_batch(rng, nvec, B * k).astype(dtype).reshape(B, k)
-        w = rng.random(idx.shape).astype(np.float32) if weighted else None
-        g = rng.standard_normal((B, F)).astype(np.float32)
+    for F, mode, weighted, W, idx, w, g in _skewed_updates(rng):
         ref = W.copy()
         ops.pullback(ReferenceBackend(), "t", ref, None, g, idx, mode=mode, weights=w, optimizer=opt)
-        uses = np.bincount(idx.ravel(), minlength=nvec)
+        uses = np.bincount(idx.ravel(), minlength=W.shape[0])
         assert uses.max() > 1000 and (uses == 1).sum() > 100
         for device_idx in (False, True):
-            dev = cp.asarray(W)
-            ix = cp.asarray(idx) if device_idx else idx
-            ops.pullback(cuda_backend(), "t", dev, None, cp.asarray(g), ix, mode=mode,
-                         weights=None if w is None else (cp.asarray(w) if device_idx else w), optimizer=opt)
-            got = dev.get()
+            got = _gpu_pullback(W, None, g, idx, mode, w, opt, device_idx)
             assert np.array_equal(got[uses <= 1], ref[uses <= 1]), (F, mode, weighted, device_idx)
             np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4, err_msg=f"{F} {mode} {weighted} {device_idx}")
     cidx, coff = batch(rng, 1000, 700, 12, dup=True)  # CSR bags, some empty, of 3 rows
@@ -595,8 +598,8 @@ def test_gpu_any_order_sgd_equals_its_reference_on_rows_of_one_entry_and_within_
     assert np.array_equal(dev.get()[3:], W16[3:]) and not np.array_equal(ref[:3], W16[:3])
     d = cp.asarray(W)
     bad = cp.asarray(idx)
-    bad[7, 2] = nvec
-    with pytest.raises(IndexError, match=rf"emb: index {nvec} at position \(7, 2\)"):
+    bad[7, 2] = W.shape[0]
+    with pytest.raises(IndexError, match=rf"emb: index {W.shape[0]} at position \(7, 2\)"):
         E.pullback(E.SimpleEmbedding(d, "emb"), cp.asarray(g), bad, mode="mean", optimizer=opt)
     assert np.array_equal(d.get(), W)
 
