@@ -269,7 +269,7 @@ def test_cuda_source_compiles_with_nvcc(tmp_path):
     assert r.returncode == 0, r.stderr
     ptx = (tmp_path / "k.ptx").read_text()
     for name in ("pooled_v4_i32", "pooled_v1_i64", "update_short_v4_i32", "update_long_v1_i64", "chunk_sums_v4",
-                 "sorted_rows_i64", "long_rows_i32", "check_i32", "sgd_any7_v4_i32", "sgd_any9_v1_i64"):
+                 "sorted_rows_i64", "long_rows_i32", "check_i32", "sgd_any_7_v4_i32", "sgd_any_9_v1_i64"):
         assert f".entry {name}(" in ptx
 
 

@@ -630,7 +630,7 @@ class CudaBackend:
         FT = F // 4 if v4 else F
         bits = 7 if F <= 128 else 9
         g, _ = cuda.group(FT, pow2=True)
-        name = f"sgd_any{bits}_{'v4' if v4 else 'v1'}_{'i32' if idx.dtype == np.int32 else 'i64'}"
+        name = f"sgd_any_{bits}_{'v4' if v4 else 'v1'}_{'i32' if idx.dtype == np.int32 else 'i64'}"
         cuda.kernel(name)((-(-L // (1 << bits)),), (g, (1 << bits) // g),
                           (W, np.int32(FT), grad, np.int64(grad.strides[0] // (16 if v4 else 4)), idx, np.int64(L),
                            cuda.ptr(off), np.int64(B), np.int64(k), cuda.ptr(w), np.int32(mean), np.float32(lr)))

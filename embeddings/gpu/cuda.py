@@ -378,7 +378,7 @@ __device__ void sgd_any_body(T* W, int FT, const T* __restrict__ grad, i64 gstri
 }
 
 #define SGD_ANY(SUFFIX, T, I, BITS) \
-extern "C" __global__ void sgd_any##BITS##_##SUFFIX(T* W, int FT, const T* grad, i64 gstride, const I* idx, i64 L, \
+extern "C" __global__ void sgd_any_##BITS##_##SUFFIX(T* W, int FT, const T* grad, i64 gstride, const I* idx, i64 L, \
         const i64* off, i64 B, i64 k, const float* w, int mean, float lr) { \
     sgd_any_body<T, I, BITS>(W, FT, grad, gstride, idx, L, off, B, k, w, mean, lr); }
 SGD_ANY(v4_i32, float4, int, 7)
