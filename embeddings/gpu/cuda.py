@@ -333,10 +333,6 @@ __device__ __forceinline__ void red_sub(float4* p, float4 s) {
 #endif
 }
 __device__ __forceinline__ void red_sub(float* p, float s) { atomicAdd(p, -s); }
-__device__ __forceinline__ float4 vmul(float s, float4 a) {
-    return f4(__fmul_rn(s, a.x), __fmul_rn(s, a.y), __fmul_rn(s, a.z), __fmul_rn(s, a.w));
-}
-__device__ __forceinline__ float vmul(float s, float a) { return __fmul_rn(s, a); }
 
 /* SGD in any order, by tiles: a block takes TILE = 2^BITS consecutive entries of the batch and sorts them by (row,
    position) in shared memory (bitonic); a thread group per run of one row sums the run's gradient contributions in
@@ -373,7 +369,7 @@ __device__ void sgd_any_body(T* W, int FT, const T* __restrict__ grad, i64 gstri
         int e = p + 1;
         while (e < n && (key[e] >> BITS) == r) ++e;
         Entries<T, 4> src{grad, gstride, pos, p, e, off, B, k, w, mean};
-        for (int c = threadIdx.x; c < FT; c += blockDim.x) red_sub(W + (i64)r * FT + c, vmul(lr, src(c)));
+        for (int c = threadIdx.x; c < FT; c += blockDim.x) red_sub(W + (i64)r * FT + c, vscale(src(c), lr));
     }
 }
 

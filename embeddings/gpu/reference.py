@@ -91,15 +91,8 @@ def update(W, state, grad, perm, srow, off, B, k, w, mean, opt, lr, eps, vec: in
     F = W.shape[1]
     perm = np.asarray(perm, np.int64)
     L = perm.size
-    offsets = off if off is not None else np.arange(B + 1, dtype=np.int64) * k
-    bag = np.searchsorted(offsets, perm, side="right") - 1
-    scaled = w is not None or mean
-    if scaled:
-        coef = np.ones(L, np.float32)
-        if mean:
-            coef = np.float32(1.0) / (offsets[bag + 1] - offsets[bag]).astype(np.float32)
-        if w is not None:
-            coef = (np.asarray(w, np.float32)[perm] * coef) if mean else np.asarray(w, np.float32)[perm]
+    bag, coef = _entries(perm, off, B, k, w, mean)
+    scaled = coef is not None
     lr32, eps32 = np.float32(lr), np.float32(eps)
 
     def run(q0: int, q1: int) -> np.ndarray:
@@ -132,18 +125,29 @@ def sgd_any(W, grad, idx, off, B, k, w, mean, lr) -> None:
     ``lr * (coef_q * grad[b])`` (``coef``: the weight, times ``1 / n`` for mean; two roundings)
     from its row, one entry after another in batch order. The kernel first sums a row's entries
     within a tile of the batch; a row with one entry rounds the same either way."""
-    offsets = off if off is not None else np.arange(B + 1, dtype=np.int64) * k
     idx = np.asarray(idx).reshape(-1)
-    bag = np.repeat(np.arange(B), np.diff(np.asarray(offsets, np.int64)))
+    bag, coef = _entries(np.arange(idx.size), off, B, k, w, mean)
     g = np.asarray(grad, np.float32)[bag]
-    if w is not None or mean:
-        coef = np.ones(idx.size, np.float32)
-        if mean:
-            coef = np.float32(1.0) / (offsets[bag + 1] - offsets[bag]).astype(np.float32)
-        if w is not None:
-            coef = np.asarray(w, np.float32) * coef if mean else np.asarray(w, np.float32)
+    if coef is not None:
         g = coef[:, None] * g
     np.subtract.at(W, idx, np.float32(lr) * g)
+
+
+def _entries(positions, off, B, k, w, mean) -> tuple[np.ndarray, np.ndarray | None]:
+    """The bag of each batch position in ``positions`` (bags from ``off`` or of width ``k``) and
+    the coefficient of its gradient row, as the kernels round it (``w``; ``1 / n`` for mean;
+    ``w * (1 / n)``), or None where every coefficient is 1."""
+    offsets = off if off is not None else np.arange(B + 1, dtype=np.int64) * k
+    bag = np.searchsorted(offsets, positions, side="right") - 1
+    if w is None and not mean:
+        return bag, None
+    coef = np.ones(len(positions), np.float32)
+    if mean:
+        coef = np.float32(1.0) / (offsets[bag + 1] - offsets[bag]).astype(np.float32)
+    if w is not None:
+        wp = np.asarray(w, np.float32).reshape(-1)[positions]
+        coef = wp * coef if mean else wp
+    return bag, coef
 
 
 def lanes(F: int, vec: int) -> int:
