@@ -273,3 +273,15 @@ def test_unknown_dense_precision_is_refused():
 
     with pytest.raises(ValueError, match="precision.*fp8"):
         make_grad_step("dot", "fp8")
+
+
+def test_each_optimizer_name_gives_the_tables_that_optimizer(tmp_path):
+    from embeddings import RowwiseAdagrad, SGD
+    from dlrm.model import OPTIMIZERS
+    cfg = DLRMConfig(SIZES, F, (5, 8, F), (6, 1))
+    with make_manager(tmp_path) as m:
+        tables = make_tables(SIZES, F, "dram", m, seed=1)
+        got = {name: DLRM(cfg, tables, optimizer=name, lr=0.3).table_opt for name in OPTIMIZERS}
+    assert got["sgd"] == SGD(0.3) and got["sgd"].deterministic
+    assert got["sgd-any"] == SGD(0.3, deterministic=False)
+    assert isinstance(got["adagrad"], RowwiseAdagrad) and got["adagrad"].lr == 0.3
