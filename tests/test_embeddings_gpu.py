@@ -83,6 +83,22 @@ def test_pallas_lookup_fixed_width_nonreducing_and_weighted():
     assert ops.lookup(be, "t", W, np.zeros((0, 4), np.int64)).shape == (0, 64)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 1 << 24))
+def test_reference_shapes_round_up_to_few_buckets(n):
+    """The Pallas reference is compiled per argument shape, so it pads them to buckets: never
+    below the length, a power of two up to 65536 and within an eighth of the length past it."""
+    b = reference.bucket(n)
+    assert b >= max(n, 8) and b == reference.bucket(b)
+    if n > 65536:
+        assert b <= n * 9 / 8 and b % (1 << (n.bit_length() - 4)) == 0
+    else:
+        assert b & (b - 1) == 0
+    a = np.arange(n % 50 * 3).reshape(-1, 3)
+    p = reference.padded(a, reference.bucket(len(a)), -1)
+    assert np.array_equal(p[:len(a)], a) and (p[len(a):] == -1).all() and len(p) == reference.bucket(len(a))
+
+
 @pytest.mark.parametrize("opt", [E.SGD, E.RowwiseAdagrad])
 @pytest.mark.parametrize("device_indices", [False, True])
 def test_reference_update_matches_the_cpu_pullback(opt, device_indices):
