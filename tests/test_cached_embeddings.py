@@ -25,8 +25,9 @@ def base_of(t):
         return b.copy()
 
 
+# F: rows of one float, a run-time size and a specialised one (the kernels compile per size)
 @settings(max_examples=12, deadline=None)
-@given(policy=st.sampled_from(["simple", "static", "dynamic"]), F=st.sampled_from([1, 5, 16, 64]),
+@given(policy=st.sampled_from(["simple", "static", "dynamic"]), F=st.sampled_from([1, 5, 64]),
        seed=st.integers(0, 2**31), second_chance=st.booleans(), adagrad=st.booleans(), admit=st.integers(1, 3),
        threads=st.sampled_from([1, 2]))
 def test_hundred_iterations_match_a_simple_table(policy, F, seed, second_chance, adagrad, admit, threads):

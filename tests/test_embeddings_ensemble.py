@@ -16,9 +16,10 @@ def make(T, N, F, seed):
 
 
 # T is part of the ensemble kernels' numba types (tuples of T arrays): one table, and several
-# (2 and 3 would compile the same kernels twice more for no other difference)
+# (2 and 3 would compile the same kernels twice more for no other difference). F: one run-time
+# and one specialised size (the single-table tests cover every specialisation of the shared code)
 @settings(max_examples=25, deadline=None)
-@given(st.sampled_from([1, 3]), st.sampled_from([3, 16, 64]), st.integers(0, 30), st.integers(0, 5),
+@given(st.sampled_from([1, 3]), st.sampled_from([3, 64]), st.integers(0, 30), st.integers(0, 5),
        st.sampled_from([1, 2]), st.sampled_from(["sum", "mean"]), st.booleans())
 def test_ensemble_lookup_and_update_match_per_table(T, F, B, k, threads, mode, weighted):
     with numba_threads(threads):
