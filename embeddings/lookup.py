@@ -14,7 +14,7 @@ from .aligned import aligned_empty, rows_on_lines
 from .batch import Bags, make_bags
 from .gpu import table_on_gpu
 from .kernels import lookup as K
-from .kernels.rowaccess import spec_for
+from .kernels.rowaccess import row_major, spec_for
 from .protocol import FORWARD, EmbeddingTable, RowSource
 
 
@@ -60,8 +60,9 @@ def run_lookup(out: np.ndarray, src: RowSource, bags: Bags) -> None:
     spec = spec_for(out.shape[1])
     P = get_num_threads()
     serial = config.serial(bags.indices.size * out.shape[1])
+    stream = streams(out)
+    out = row_major(out)
     if bags.offsets is None or bags.singles():
-        stream = streams(out)
         if serial:
             K.gather_serial(spec, out, src.base, src.cache, src.slots, src.codec, bags.indices, dist, stream)
         else:

@@ -30,7 +30,7 @@ from .kernels import owner as O
 from .kernels import update as U
 from .kernels.checks import nonfinite_row
 from .kernels.reindex import reindex_into, reindex_sort_serial, row_bits, sort_params, sortable
-from .kernels.rowaccess import spec_for
+from .kernels.rowaccess import row_major, spec_for
 from . import config
 from .aligned import aligned_copy, rows_aligned
 from .gpu import table_on_gpu
@@ -160,7 +160,7 @@ def run_parts(table: EmbeddingTable, g: np.ndarray, bags: Bags, opt: int, lr: fl
     ws = workspace()
     with table.rows(UPDATE, bags.indices, writable=True) as src:
         dist = prefetch_distance(src.base.shape[1] * src.base.itemsize)
-        U.pullback_parts(spec_for(table.featuresize()), src.base, src.cache, src.slots, src.codec, g,
+        U.pullback_parts(spec_for(table.featuresize()), src.base, src.cache, src.slots, src.codec, row_major(g),
                          bags.indices, bag_offsets(bags), bags.weights, bags.mean, row_bits(nvec), dbits,
                          ws.get("pkeys", (P, L), np.int64), ws.get("ptmp", (P, L), np.int64),
                          ws.get("phists", (P, npass, 1 << dbits), np.int64),
@@ -214,8 +214,8 @@ def run_owner(table: EmbeddingTable, g: np.ndarray, bags: Bags, lr: float, P: in
         raise nonfinite_error(table, int(rows.min()))
     with table.rows(UPDATE, bags.indices, writable=True) as src:
         dist = prefetch_distance(src.base.shape[1] * src.base.itemsize)
-        head = (spec_for(F), src.base, src.cache, src.slots, src.codec, g, bags.indices, offsets, bags.weights,
-                bags.mean, lr)
+        head = (spec_for(F), src.base, src.cache, src.slots, src.codec, row_major(g), bags.indices, offsets,
+                bags.weights, bags.mean, lr)
         for i, (b0, b1) in enumerate(segments):
             if i > 0:
                 prepare_segment(b0, b1, 0)
@@ -276,6 +276,7 @@ def run_update(table: EmbeddingTable, g: np.ndarray, plan: UpdatePlan, opt: int,
     with table.rows(UPDATE, plan.uniq, writable=(opt != U.GRADIENT)) as src:
         dist = prefetch_distance(src.base.shape[1] * src.base.itemsize)
         spec = spec_for(table.featuresize())
+        g = row_major(g)
         if config.serial(plan.bag.size * table.featuresize()):
             U.apply_update_serial(spec, src.base, src.cache, src.slots, src.codec, g, plan.uniq,
                                   plan.starts, plan.bag, plan.coef, n, opt, lr, eps, state, gout, dist)

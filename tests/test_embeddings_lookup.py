@@ -96,6 +96,29 @@ def test_lookup_into_strided_slice_touches_only_its_columns():
     assert (big[:, :F] == -7.0).all()
 
 
+def test_strided_outputs_and_gradients_reach_the_kernels_as_row_major_views():
+    """A column slice goes to the kernels as the C-contiguous rows it lies in (same row addresses
+    and stride), so no kernel is compiled again for its layout; other arrays pass unchanged."""
+    from embeddings.kernels import lookup as K
+    from embeddings.kernels.rowaccess import row_major
+    big = np.arange(5 * 48, dtype=np.float32).reshape(5, 48)
+    col = big[:, 16:32]
+    v = row_major(col)
+    assert v.flags.c_contiguous and v.shape == (5, 48) and v.strides == col.strides
+    assert v.ctypes.data == col.ctypes.data and np.array_equal(v[:, :16], col)
+    big.flags.writeable = False
+    assert not row_major(big[:, 16:32]).flags.writeable
+    for a in (big, big[:, ::2], big[:0, 16:32], np.zeros(4, np.float32)):
+        assert row_major(a) is a
+    rng = np.random.default_rng(5)
+    t = E.SimpleEmbedding(rng.standard_normal((30, 16)).astype(np.float32))
+    out = np.zeros((6, 48), np.float32)
+    E.lookup_into(out[:, 16:32], t, rng.integers(0, 30, (6, 3)))
+    E.lookup_into(out[:, 16:32], t, rng.integers(0, 30, 6))
+    for kernel in (K.pooled_serial, K.gather_serial):
+        assert kernel.signatures and all("'A'" not in str(sig) for sig in kernel.signatures)
+
+
 def test_empty_bags_give_zero_rows_also_for_mean():
     table = np.ones((5, 4), np.float32)
     got = E.lookup(E.SimpleEmbedding(table), np.array([1, 2]), np.array([0, 0, 2, 2]), mode="mean")

@@ -55,6 +55,25 @@ def uidx(i):
     return np.uint64(i)
 
 
+def row_major(a: np.ndarray) -> np.ndarray:
+    """A 2-d array whose rows are contiguous, as the kernels take an output or gradient: ``a``
+    itself when C-contiguous, else a C-contiguous view of the same rows at their full stride (as
+    many columns as the stride holds, e.g. a column slice's whole parent rows).
+
+    The kernels find a row by ``ctypes.data`` and ``strides[0]`` only (:func:`out_ptr`,
+    :func:`out_row`) and touch the feature size's columns only, so both arrays are the same
+    output to them; numba compiles a kernel per array layout, and the view spares every kernel a
+    second compile for strided outputs (a third of a second to five seconds each). The view's
+    last row may reach past the end of ``a``'s buffer: nothing reads or writes there."""
+    if a.flags.c_contiguous or a.ndim != 2 or a.shape[0] == 0:
+        return a
+    isz = a.itemsize
+    if a.strides[1] != isz or a.strides[0] < a.shape[1] * isz or a.strides[0] % isz:
+        return a
+    return np.lib.stride_tricks.as_strided(a, (a.shape[0], a.strides[0] // isz), (a.strides[0], isz),
+                                           writeable=a.flags.writeable)
+
+
 @njit(cache=True, inline="always")
 def featuresize(spec, base):
     """Feature size: ``8 * len(spec)`` (a constant) when specialised, else the array's."""
