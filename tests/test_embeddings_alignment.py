@@ -52,11 +52,11 @@ DTYPES = [np.float32, np.float64, np.float16, ml_dtypes.bfloat16]
 SIZES = [1, 4, 8, 16, 24, 33, 64, 256]
 # The kernels are compiled per dtype, per specialised size (8 .. 256; the others share one kernel)
 # and serial or parallel, 1-15 s each. float32 runs them at every size, the thread count
-# alternating; the other dtypes at two sizes sharing one kernel (rows copied or not) and at one
-# specialised size, serially, and bfloat16 (the usual reduced-precision storage) in parallel too.
+# alternating; the other dtypes serially at two sizes sharing one kernel (rows copied or not) and
+# at 16, the specialised size their other tests use, and bfloat16 (the usual reduced-precision
+# storage) in parallel too.
 KERNEL_CASES = ([(F, np.float32, 1 + i % 2) for i, F in enumerate(SIZES)]
-                + [(F, dt, 1) for dt, specialised in ((np.float64, 16), (np.float16, 64), (ml_dtypes.bfloat16, 16))
-                   for F in (33, 48, specialised)]
+                + [(F, dt, 1) for dt in (np.float64, np.float16, ml_dtypes.bfloat16) for F in (33, 48, 16)]
                 + [(33, ml_dtypes.bfloat16, 2), (48, ml_dtypes.bfloat16, 2)])
 
 
