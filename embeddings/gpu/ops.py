@@ -326,18 +326,17 @@ def apply_pullback(be, W: Any, state: Any, prep: PreparedUpdate, optimizer: Any,
     """Plan (unless the plan ``p`` is given, or the optimizer needs none), confirm the checks, and
     run the fused update of a prepared batch on table ``W`` (row-wise Adagrad: ``state``)."""
     bags = prep.bags
+    if p is None and needs_plan(prep, W.shape[1], optimizer):
+        p = plan(be, bags.idx, W.shape[1])
+    confirm(be, [prep.pending])
     if not writes(prep, W.shape[1]):
-        confirm(be, [prep.pending])
         return
-    if not planned(optimizer):
-        confirm(be, [prep.pending])
+    if planned(optimizer):
+        be.update(W, state, prep.grad, p, bags.off, bags.nout, max(bags.k, 1), bags.w, bags.mean,
+                  optimizer.code, float(optimizer.lr), float(optimizer.eps))
+    else:
         be.sgd_any(W, prep.grad, bags.idx, bags.off, bags.nout, max(bags.k, 1), bags.w, bags.mean,
                    float(optimizer.lr))
-        return
-    p = plan(be, bags.idx, W.shape[1]) if p is None else p
-    confirm(be, [prep.pending])
-    be.update(W, state, prep.grad, p, bags.off, bags.nout, max(bags.k, 1), bags.w, bags.mean,
-              optimizer.code, float(optimizer.lr), float(optimizer.eps))
 
 
 def pullback(be, name: str, W: Any, state: Any, grad: Any, indices: Any, offsets: Any = None, *,
