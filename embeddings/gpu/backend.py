@@ -614,7 +614,7 @@ class CudaBackend:
                 (W, np.int32(FT), np.int32(F), cuda.ptr(state), P, plan.srow, plan.lstart, plan.lend, plan.lbase,
                  np.int64(plan.NL), cuda.ptr(plan.counts), C) + step)
         cuda.kernel(f"update_short_{suffix}")(
-            (-(-L // rows),), (g, rows),
+            (-(-L // 256),), (g, rows),  # a warp per 32 entries
             (W, np.int32(FT), np.int32(F), cuda.ptr(state), grad, gstride, plan.srow, plan.perm, np.int64(L), C)
             + common + step)
 
