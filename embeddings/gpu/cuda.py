@@ -553,7 +553,8 @@ extern "C" __global__ void NAME(const I* idx, i64 L, i64 n, const i64* off, i64 
         for (i64 b = t0; b < B; b += step) if (off[b + 1] < off[b]) flags[1] = 1; \
         if (t0 == 0 && (off[0] != 0 || off[B] != L)) flags[1] = 1; \
     } \
-    if (g) for (i64 i = t0; i < grows * F; i += step) { \
+    if (g && gstride == F) { for (i64 i = t0; i < grows * F; i += step) if (!isfinite(g[i])) flags[2] = 1; } \
+    else if (g) for (i64 i = t0; i < grows * F; i += step) { /* rows apart: a 64-bit division an element */ \
         i64 r = i / F; \
         if (!isfinite(g[r * gstride + (i - r * F)])) flags[2] = 1; } }
 CHECK(check_i32, int)
