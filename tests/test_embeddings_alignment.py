@@ -139,19 +139,22 @@ def test_align_must_be_a_bool(align):
         E.SimpleEmbedding(np.zeros((4, 4), np.float32), align=align)
 
 
-@pytest.mark.parametrize("F", [16, 24, 64])
-def test_ensemble_of_unaligned_tables(F):
+def test_ensemble_of_unaligned_tables():
     """An ensemble over tables built from arrays off their lines: every table's rows on lines,
-    lookups and updates equal to the same ensemble over the caller's memory."""
+    lookups and updates equal to the same ensemble over the caller's memory. Two tables of 16
+    floats, as the gradient test below has them: the ensemble kernels compile for each count and
+    size of tables (6-11 s each), and the copy onto lines is the same for every size (checked for
+    all of them above)."""
+    F = 16
     rng = np.random.default_rng(F)
-    arrays = [filled((50, F), np.float32, 16, s) for s in range(3)]
+    arrays = [filled((50, F), np.float32, 16, s) for s in range(2)]
     ens = E.Ensemble([E.SimpleEmbedding(a) for a in arrays])
     kept = E.Ensemble([E.SimpleEmbedding(a, align=False) for a in arrays])
     assert all(t.copied and rows_aligned(t.data) for t in ens.tables)
     idx = [rng.integers(0, 50, (9, 4)) for _ in arrays]
     with numba_threads(2):
         np.testing.assert_array_equal(ens.lookup(idx, mode="sum"), kept.lookup(idx, mode="sum"))
-        g = rng.standard_normal((9, 3, F)).astype(np.float32)
+        g = rng.standard_normal((9, 2, F)).astype(np.float32)
         ens.pullback(g, idx, mode="sum", optimizer=E.SGD(0.1))
         kept.pullback(g, idx, mode="sum", optimizer=E.SGD(0.1))
     for t, a in zip(ens.tables, arrays):
