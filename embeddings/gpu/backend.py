@@ -614,7 +614,7 @@ class CudaBackend:
                 (W, np.int32(FT), np.int32(F), cuda.ptr(state), P, plan.srow, plan.lstart, plan.lend, plan.lbase,
                  np.int64(plan.NL), cuda.ptr(plan.counts), C) + step)
         cuda.kernel(f"update_short_{suffix}")(
-            (-(-L // 256),), (g, rows),  # a warp per 32 entries
+            (-(-L // 256),), (g, rows),  # a warp per 32 entries; g * rows is 256, the 8 warps its shared arrays hold
             (W, np.int32(FT), np.int32(F), cuda.ptr(state), grad, gstride, plan.srow, plan.perm, np.int64(L), C)
             + common + step)
 
