@@ -8,8 +8,10 @@ kernels (``embeddings.kernels.lookup`` as compiled), which CI checks. Unchecked 
 validated inside the lookup kernel itself: a bad index or offset sets a flag in mapped host memory
 and the host raises after the kernel (the output is new, so nothing of the caller's is written).
 
-Updates (the plan in :mod:`.ops`): positions sorted by row; one thread group per unique row of at
-most ``CHUNK`` entries sums its gradient rows in batch order and applies the step. A longer row (the
+Updates (the plan in :mod:`.ops`): positions sorted by row; a warp takes 32 sorted entries at once
+(their rows, positions and bags loaded together into shared memory), and its thread groups take
+the unique rows of at most ``CHUNK`` entries that begin there, one group a row: the group sums the
+row's gradient rows in batch order and applies the step. A longer row (the
 hot rows of a Zipf batch have ~10^5 entries) is cut into chunks of ``max(CHUNK, ceil(sqrt(n)))``
 entries summed in parallel, then one group adds the chunk sums in chunk order and applies the
 step: deterministic, and exactly the order :func:`.reference.update` uses. Every add and multiply
