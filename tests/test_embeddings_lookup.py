@@ -102,6 +102,8 @@ def test_strided_outputs_and_gradients_reach_the_kernels_as_row_major_views():
     """A column slice goes to the kernels as the C-contiguous rows it lies in (same row addresses
     and stride), so no kernel is compiled again for its layout; other arrays pass unchanged."""
     from embeddings.kernels import lookup as K
+    from embeddings.kernels import owner as O
+    from embeddings.kernels import update as U
     from embeddings.kernels.rowaccess import row_major
     big = np.arange(5 * 48, dtype=np.float32).reshape(5, 48)
     col = big[:, 16:32]
@@ -117,7 +119,16 @@ def test_strided_outputs_and_gradients_reach_the_kernels_as_row_major_views():
     out = np.zeros((6, 48), np.float32)
     E.lookup_into(out[:, 16:32], t, rng.integers(0, 30, (6, 3)))
     E.lookup_into(out[:, 16:32], t, rng.integers(0, 30, 6))
-    for kernel in (K.pooled_serial, K.gather_serial):
+    g = E.aligned_empty((6, 48))  # the slice's rows on lines, so the planned update reads them in place
+    g[...] = rng.standard_normal((6, 48))
+    idx = rng.integers(0, 30, (6, 3))
+    for opt in (E.SGD, E.RowwiseAdagrad):  # owner-computes, and the planned update
+        strided, dense = E.SimpleEmbedding(t.data.copy()), E.SimpleEmbedding(t.data.copy())
+        E.pullback(strided, g[:, 16:32], idx, mode="sum", optimizer=opt(0.1))
+        E.pullback(dense, np.ascontiguousarray(g[:, 16:32]), idx, mode="sum", optimizer=opt(0.1))
+        assert not np.array_equal(strided.data, t.data)
+        np.testing.assert_array_equal(strided.data, dense.data)
+    for kernel in (K.pooled_serial, K.gather_serial, O.apply_owned_serial, U.apply_update_serial):
         assert kernel.signatures and all("'A'" not in str(sig) for sig in kernel.signatures)
 
 
