@@ -24,17 +24,21 @@ def pytest_configure(config):
     if os.environ.get("PYTEST_XDIST_WORKER") or JAX_CACHE in os.environ:
         return
     config.jax_cache = tempfile.mkdtemp(prefix="cachedarrays-jax-cache-")
-    os.environ[JAX_CACHE] = config.jax_cache
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    wanted = {JAX_CACHE: config.jax_cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    config.jax_env = {k: v for k, v in wanted.items() if k not in os.environ}  # a user's own settings stay
+    os.environ.update(config.jax_env)
 
 
 def pytest_unconfigure(config):
+    """Remove the cache folder and the variables :func:`pytest_configure` set."""
     path = getattr(config, "jax_cache", None)
-    if path is not None:
-        shutil.rmtree(path, ignore_errors=True)
-        if os.environ.get(JAX_CACHE) == path:
-            del os.environ[JAX_CACHE]
+    if path is None:
+        return
+    shutil.rmtree(path, ignore_errors=True)
+    for k, v in config.jax_env.items():
+        if os.environ.get(k) == v:
+            del os.environ[k]
 
 
 @pytest.fixture
